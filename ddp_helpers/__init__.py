@@ -1,0 +1,46 @@
+"""ddp_helpers: run notebook cells on every rank under torchrun, and read back what each rank did.
+
+Public API (see README.md):
+    make_launch_config, launch, run_script   launch a script; get a RunResult
+    RunResult, RankResult, RunFailed, LaunchError
+    record                                   script side: save a value for the notebook
+    %load_ext ddp_helpers                    the %%torchrun cell magic
+
+This module stays light: ranks import it to call `record`, so nothing heavy is imported here.
+"""
+
+from __future__ import annotations
+
+from .config import LaunchConfig, LaunchError, make_launch_config
+from .recording import record
+from .result import RankResult, RunFailed, RunResult
+
+
+def launch(config: LaunchConfig) -> RunResult:
+    """Run a LaunchConfig; see ddp_helpers.launcher.launch."""
+    from .launcher import launch as _launch
+
+    return _launch(config)
+
+
+def run_script(script, **options) -> RunResult:
+    """`launch(make_launch_config(script, **options))`: run a script file on every rank.
+
+    Example:
+        >>> run = run_script("train.py", nproc=2)
+        >>> run.ranks[0].stdout
+    """
+    return launch(make_launch_config(script, **options))
+
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext ddp_helpers` registers the %%torchrun cell magic."""
+    from .magic import register
+
+    register(ipython)
+
+
+__all__ = [
+    "LaunchConfig", "LaunchError", "make_launch_config", "launch", "run_script",
+    "RunResult", "RankResult", "RunFailed", "record", "load_ipython_extension",
+]

@@ -142,15 +142,15 @@ def make_launch_config(
     hardware = hardware or detect_hardware()
     if backend is None:
         backend = "nccl" if hardware.gpu_count else "gloo"
+    if backend == "nccl" and hardware.gpu_count == 0:
+        raise LaunchError(
+            "backend 'nccl' needs CUDA GPUs and none was found. Use backend='gloo' (magic: --backend gloo) "
+            "to run the ranks as CPU processes."
+        )
     if nproc is None:
         nproc = hardware.gpu_count if backend == "nccl" else DEFAULT_CPU_NPROC
     nproc = parse_nproc(nproc)
     if backend == "nccl":
-        if hardware.gpu_count == 0:
-            raise LaunchError(
-                "backend 'nccl' needs CUDA GPUs and none was found. Use backend='gloo' (magic: --backend gloo) "
-                "to run the ranks as CPU processes."
-            )
         if nproc > hardware.gpu_count:
             raise LaunchError(
                 f"{nproc} ranks asked for but only {hardware.gpu_count} GPU(s) found: with nccl each rank needs "

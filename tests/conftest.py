@@ -1,0 +1,26 @@
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ddp_helpers.config import Hardware
+
+CPU_ONLY = Hardware(())
+
+
+@pytest.fixture
+def write_script(tmp_path):
+    """write_script("name", source) -> path of a script file holding the dedented source."""
+
+    def write(name: str, source: str) -> Path:
+        path = tmp_path / f"{name}.py"
+        path.write_text(textwrap.dedent(source))
+        return path
+
+    return write
+
+
+@pytest.fixture(autouse=True)
+def runs_in_tmp(tmp_path, monkeypatch):
+    # %%torchrun cells in tests write their scripts here, not into the project's runs/.
+    monkeypatch.setenv("DDP_HELPERS_RUNS", str(tmp_path / "runs"))

@@ -1,0 +1,83 @@
+"""Helpers shared by the tests: real launches, and looking for what a run may have left behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+import textwrap
+from pathlib import Path
+
+from ddp_helpers import launch, make_launch_config
+from ddp_helpers.config import Hardware
+from ddp_helpers.processes import marked_processes
+from ddp_helpers.run_files import RUN_ID_ENV
+
+
+def run_on_cpu(script: Path, nproc: int = 2, **options):
+    """Launch on gloo CPU ranks as a laptop would, whatever this machine has."""
+    return launch(make_launch_config(script, nproc=nproc, backend="gloo", hardware=Hardware(()), **options))
+
+
+def failure_report(run) -> str:
+    """Every rank's stderr and torchrun's log, for assertion messages."""
+    parts = [run.summary()]
+    for r in run.ranks:
+        parts.append(f"--- rank {r.rank} stdout ---\n{r.stdout}\n--- rank {r.rank} stderr ---\n{r.stderr}")
+    parts.append(f"--- torchrun ---\n{run.launcher_log}")
+    return "\n".join(parts)
+
+
+def processes_left(marker_env: str, value: str) -> list[int]:
+    return marked_processes(value, marker_env)
+
+
+def listening_ports() -> set[int]:
+    """TCP ports in LISTEN state on this machine (IPv4 and IPv6)."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+# Pasted into scripts: the local addresses of this process's own TCP sockets, from /proc.
+OWN_SOCKETS_SOURCE = textwrap.dedent(
+    '''
+    import os as _os
+
+    def own_tcp_sockets():
+        inodes = set()
+        for fd in _os.listdir("/proc/self/fd"):
+            try:
+                target = _os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+        found = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    fields = line.split()
+                    if fields[9] in inodes:
+                        found.append({"local": fields[1].rsplit(":", 1)[0], "state": fields[3]})
+        return found
+    '''
+)
+
+LOOPBACK_HEX = {
+    "0100007F",  # 127.0.0.1
+    "00000000000000000000000001000000",  # ::1
+    "0000000000000000FFFF00000100007F",  # ::ffff:127.0.0.1
+}
+
+
+def hold_port(port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("0.0.0.0", port))
+    sock.listen()
+    return sock

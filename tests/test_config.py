@@ -1,0 +1,74 @@
+"""Launch input: defaults from the hardware, and bad input refused before anything starts."""
+
+import pytest
+
+from ddp_helpers.config import Hardware, LaunchError, make_launch_config
+
+TWO_GPUS = Hardware(("H200", "H200"))
+NO_GPU = Hardware(())
+
+
+@pytest.fixture
+def script(write_script):
+    return write_script("train", "print('hi')\n")
+
+
+def test_without_gpus_the_default_is_two_gloo_cpu_ranks(script):
+    config = make_launch_config(script, hardware=NO_GPU)
+    assert (config.nproc, config.backend) == (2, "gloo")
+    assert "CUDA_VISIBLE_DEVICES" not in config.extra_env
+
+
+def test_with_gpus_the_default_is_one_nccl_rank_per_gpu(script):
+    config = make_launch_config(script, hardware=TWO_GPUS)
+    assert (config.nproc, config.backend) == (2, "nccl")
+
+
+def test_gloo_on_a_gpu_machine_hides_the_gpus_from_the_ranks(script):
+    config = make_launch_config(script, nproc=4, backend="gloo", hardware=TWO_GPUS)
+    assert config.nproc == 4
+    assert config.extra_env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+@pytest.mark.parametrize("nproc", [0, -1, "abc", "0", "", "2.5"])
+def test_bad_nproc_is_refused_with_an_example(script, nproc):
+    with pytest.raises(LaunchError, match=r"nproc must be .*Example: --nproc 2"):
+        make_launch_config(script, nproc=nproc, hardware=NO_GPU)
+
+
+def test_nproc_given_as_text_is_accepted(script):
+    assert make_launch_config(script, nproc=" 3 ", hardware=NO_GPU).nproc == 3
+
+
+def test_more_nccl_ranks_than_gpus_names_the_cpu_option(script):
+    with pytest.raises(LaunchError, match=r"4 ranks asked for but only 2 GPU\(s\).*backend='gloo'"):
+        make_launch_config(script, nproc=4, backend="nccl", hardware=TWO_GPUS)
+
+
+def test_nccl_without_gpus_names_the_cpu_option(script):
+    with pytest.raises(LaunchError, match=r"needs CUDA GPUs.*backend='gloo'"):
+        make_launch_config(script, backend="nccl", hardware=NO_GPU)
+
+
+def test_missing_script_is_named(tmp_path):
+    with pytest.raises(LaunchError, match=r"Script not found: .*nowhere\.py"):
+        make_launch_config(tmp_path / "nowhere.py", hardware=NO_GPU)
+
+
+def test_unknown_backend_lists_the_choices(script):
+    with pytest.raises(LaunchError, match=r"'mpi'.*'nccl'.*'gloo'"):
+        make_launch_config(script, backend="mpi", hardware=NO_GPU)
+
+
+@pytest.mark.parametrize("timeout", [0, -5])
+def test_timeout_must_be_positive(script, timeout):
+    with pytest.raises(LaunchError, match="timeout must be a positive"):
+        make_launch_config(script, timeout_s=timeout, hardware=NO_GPU)
+
+
+def test_config_is_frozen_including_its_environment(script):
+    config = make_launch_config(script, extra_env={"A": "1"}, hardware=NO_GPU)
+    with pytest.raises(AttributeError):
+        config.nproc = 8
+    with pytest.raises(TypeError):
+        config.extra_env["A"] = "2"

@@ -1,0 +1,215 @@
+"""Real torchrun launches on gloo CPU ranks: what a run hands back, and how failures end."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+
+import pytest
+import torch
+
+from ddp_helpers.config import LaunchError, make_launch_config
+from ddp_helpers.run_files import RUN_ID_ENV
+from support import LOOPBACK_HEX, OWN_SOCKETS_SOURCE, failure_report, hold_port, processes_left, run_on_cpu
+
+LEAKED_FROM_AN_OUTER_TORCHRUN = {
+    "RANK": "5", "WORLD_SIZE": "7", "LOCAL_RANK": "5", "MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "1",
+    "TORCHELASTIC_RUN_ID": "outer",
+}
+
+HEALTHY_SCRIPT = OWN_SOCKETS_SOURCE + textwrap.dedent(
+    """
+    import os
+    import sys
+    import torch
+    import torch.distributed as dist
+    from ddp_helpers import record
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    print(f"line one from rank {rank}")
+    print(f"warning from rank {rank}", file=sys.stderr)
+    record("env", {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID")})
+    record("sum", total.item())
+    record("weights", {"w": torch.full((3,), float(rank))})
+    record("sockets", own_tcp_sockets())
+    print(f"line two from rank {rank}")
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def healthy_run(tmp_path_factory):
+    """One 3-rank run shared by the tests of a healthy launch, started from an environment that looks
+    like a kernel which itself runs under torchrun."""
+    script = tmp_path_factory.mktemp("healthy") / "healthy.py"
+    script.write_text(HEALTHY_SCRIPT)
+    saved = {k: os.environ.get(k) for k in LEAKED_FROM_AN_OUTER_TORCHRUN}
+    os.environ.update(LEAKED_FROM_AN_OUTER_TORCHRUN)
+    try:
+        run = run_on_cpu(script, nproc=3)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    assert run.ok, failure_report(run)
+    return run
+
+
+def test_each_rank_output_is_kept_apart(healthy_run):
+    for r in healthy_run.ranks:
+        assert r.stdout == f"line one from rank {r.rank}\nline two from rank {r.rank}\n"
+        assert f"warning from rank {r.rank}" in r.stderr
+        assert r.exit_code == 0
+
+
+def test_recorded_values_and_tensors_come_back_per_rank(healthy_run):
+    assert healthy_run.facts("sum") == [3.0, 3.0, 3.0]
+    for r in healthy_run.ranks:
+        assert torch.equal(r.facts["weights"]["w"], torch.full((3,), float(r.rank)))
+    with pytest.raises(KeyError, match="rank\\(s\\) \\[0, 1, 2\\]"):
+        healthy_run.facts("never_recorded")
+
+
+def test_a_kernel_running_under_torchrun_does_not_leak_its_world(healthy_run):
+    for r in healthy_run.ranks:
+        env = r.facts["env"]
+        assert env["RANK"] == str(r.rank) and env["WORLD_SIZE"] == "3"
+        assert env["MASTER_ADDR"] != "10.9.9.9"
+        assert env["TORCHELASTIC_RUN_ID"] != "outer"
+
+
+def test_rank_sockets_stay_on_loopback(healthy_run):
+    for r in healthy_run.ranks:
+        sockets = r.facts["sockets"]
+        assert sockets, "the rank should hold gloo connections while the group is up"
+        off_loopback = [s for s in sockets if s["local"] not in LOOPBACK_HEX]
+        assert not off_loopback, f"rank {r.rank} has sockets off loopback: {off_loopback}"
+
+
+def test_run_reports_backend_devices_and_time(healthy_run):
+    assert healthy_run.backend == "gloo"
+    assert healthy_run.devices == ("cpu", "cpu", "cpu")
+    assert 0 < healthy_run.wall_time_s < 60
+    assert not (healthy_run.run_dir / "torchelastic").exists()
+
+
+def test_output_streams_live_with_rank_prefixes(write_script, capfd):
+    script = write_script("hello", "import os\nprint('hello from', os.environ['RANK'])\n")
+    run = run_on_cpu(script, nproc=2)
+    assert run.ok, failure_report(run)
+    streamed = capfd.readouterr().out
+    assert "[rank 0] hello from 0" in streamed
+    assert "[rank 1] hello from 1" in streamed
+
+
+def test_a_failing_rank_is_named_with_its_traceback_and_the_others_stop(write_script):
+    marker = uuid.uuid4().hex
+    script = write_script(
+        "fails",
+        """
+        import time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            time.sleep(0.5)
+            raise ValueError("bad batch on rank 1")
+        time.sleep(300)  # the other ranks would wait forever: torchrun must stop them
+        """,
+    )
+    run = run_on_cpu(script, nproc=3, extra_env={"TEST_MARK": marker})
+    assert not run.ok
+    assert run.first_failure.rank == 1, failure_report(run)
+    assert run.first_failure.error.type == "ValueError"
+    assert 'raise ValueError("bad batch on rank 1")' in run.first_failure.error.traceback
+    assert "_bootstrap" not in run.first_failure.error.traceback
+    assert run.wall_time_s < 45
+    assert [r.status for r in run.ranks] == ["stopped", "failed (exit code 1)", "stopped"]
+    assert "Rank 1 failed first: ValueError: bad batch on rank 1" in run.summary()
+    assert processes_left("TEST_MARK", marker) == []
+
+
+def test_a_hang_times_out_with_a_stack_dump_per_rank(write_script):
+    marker = uuid.uuid4().hex
+    script = write_script(
+        "hangs",
+        """
+        import time
+        import torch
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 0:
+            dist.all_reduce(torch.ones(1))  # rank 1 never joins this collective
+        else:
+            time.sleep(300)
+        """,
+    )
+    run = run_on_cpu(script, nproc=2, timeout_s=8, extra_env={"TEST_MARK": marker})
+    assert run.timed_out and not run.ok
+    assert run.wall_time_s < 30
+    stuck_in = {0: "in all_reduce", 1: "hangs.py\", line 9"}
+    for r in run.ranks:
+        assert "most recent call first" in r.stderr, failure_report(run)
+        assert stuck_in[r.rank] in r.stderr, failure_report(run)
+    assert "Timed out after 8 s" in run.summary()
+    assert processes_left("TEST_MARK", marker) == []
+
+
+def test_eight_launches_at_once_while_port_29500_is_taken(write_script):
+    script = write_script(
+        "allreduce",
+        """
+        import torch, torch.distributed as dist
+        from ddp_helpers import record
+        dist.init_process_group("gloo")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        record("sum", t.item())
+        dist.destroy_process_group()
+        """,
+    )
+    blocker = hold_port(29500)
+    runs = [None] * 8
+    try:
+        def launch_one(i):
+            runs[i] = run_on_cpu(script, nproc=2, run_dir=script.parent / f"run{i}", stream=False, timeout_s=150)
+
+        threads = [threading.Thread(target=launch_one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        blocker.close()
+    for run in runs:
+        assert run.ok, failure_report(run)
+        assert run.facts("sum") == [2.0, 2.0]
+
+
+def test_a_script_that_records_also_runs_with_plain_python(write_script, tmp_path):
+    script = write_script(
+        "standalone",
+        """
+        from ddp_helpers import record
+        value = record("answer", 42)
+        print("recorded", value)
+        """,
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "recorded 42\n"
+    assert list(tmp_path.iterdir()) == [script]  # nothing written outside a launch
+
+
+def test_a_missing_script_launches_nothing(tmp_path):
+    with pytest.raises(LaunchError, match="Script not found"):
+        make_launch_config(tmp_path / "missing.py", backend="gloo")
+    assert list(tmp_path.iterdir()) == []

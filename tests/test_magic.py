@@ -1,0 +1,81 @@
+"""The %%torchrun magic in a real IPython shell: options, bad input, and results left in variables."""
+
+import re
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+
+from ddp_helpers.result import RunFailed
+
+
+@pytest.fixture(scope="module")
+def ipython():
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "ddp_helpers")
+    return shell
+
+
+def run_cell(shell, line: str, body: str):
+    return shell.run_cell(f"%%torchrun {line}\n{body}")
+
+
+def test_help_lists_the_options_and_launches_nothing(ipython, capsys, tmp_path):
+    result = run_cell(ipython, "--help", "raise SystemExit('must not run')")
+    assert result.success
+    shown = capsys.readouterr().out
+    for option in ("--nproc", "--name", "--timeout", "--out", "--backend"):
+        assert option in shown
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("--bogus 3", r"unrecognized arguments: --bogus 3 \(%%torchrun --help"),
+        ("-n abc", r"nproc must be a whole number .*got 'abc'"),
+        ("-n 0", r"nproc must be 1 or more"),
+        ("-n -1", r"nproc must be 1 or more"),
+        ("--backend nccl", r"needs CUDA GPUs.*--backend gloo"),
+        ("--name ../escape", r"--name must be letters"),
+        ("--out 1x", r"--out must be a Python variable name"),
+    ],
+)
+def test_bad_input_is_one_clear_error_and_nothing_runs(ipython, tmp_path, line, message):
+    result = run_cell(ipython, f"--backend gloo {line}" if "backend" not in line else line, "print('ran')")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert re.search(message, str(result.error_in_exec)), str(result.error_in_exec)
+    assert not list((tmp_path / "runs").glob("*/*/rank0.stdout")), "nothing may be launched"
+
+
+def test_a_syntax_error_is_shown_with_its_line_and_nothing_is_written(ipython, tmp_path, capsys):
+    result = run_cell(ipython, "-n 2 --backend gloo --name broken", "x = 1\ny = (\n")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert "line 2" in str(result.error_in_exec)
+    assert "SyntaxError" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cells_run_on_every_rank_and_failures_fail_the_cell(ipython, tmp_path):
+    """One successful and one failing cell, sharing a shell: the script file, --out, and the failure."""
+    ok = run_cell(
+        ipython,
+        "-n 2 --backend gloo --name greet --out greeting",
+        "import os\nfrom ddp_helpers import record\nrecord('rank', int(os.environ['RANK']))\n",
+    )
+    assert ok.success, ok.error_in_exec
+    greeting = ipython.user_ns["greeting"]
+    assert greeting.facts("rank") == [0, 1]
+    script = tmp_path / "runs" / "notebook" / "greet.py"
+    assert script.read_text().startswith("# Generated from notebook.ipynb, %%torchrun cell 'greet'")
+
+    failed = run_cell(
+        ipython,
+        "-n 2 --backend gloo --name oops --out oops",
+        "import os\nif os.environ['RANK'] == '1':\n    raise KeyError('missing column')\n",
+    )
+    assert isinstance(failed.error_in_exec, RunFailed)
+    assert "rank 1 failed first (KeyError" in str(failed.error_in_exec)
+    rendered = "\n".join(failed.error_in_exec._render_traceback_())
+    assert "raise KeyError('missing column')" in rendered
+    assert ipython.user_ns["oops"].first_failure.rank == 1

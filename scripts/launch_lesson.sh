@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Run lesson N's cells outside Jupyter, under torchrun, from the notebook itself.
+#   scripts/launch_lesson.sh 2
+# Creates .venv on first use. Ranks: one per GPU (nccl), or CPU processes (gloo) without GPUs.
+# Plots are saved as PNG under runs/<notebook>/plots/; exits non-zero if any check fails.
+set -euo pipefail
+if [ $# -ne 1 ]; then
+    echo "Usage: scripts/launch_lesson.sh N   (N: the lesson number, e.g. 2)" >&2
+    exit 2
+fi
+source "$(dirname "${BASH_SOURCE[0]}")/ensure_env.sh"
+exec python -m ddp_helpers.lesson_runner "$1"

@@ -48,7 +48,7 @@ def write_cell_script(source: str, *, notebook: str, name: str, root: Path | Non
     path = (root or runs_root()) / notebook / f"{name}.py"
     header = (
         f"# Generated from {notebook}.ipynb, %%torchrun cell {name!r} - edit the notebook, not this file.\n"
-        "# Runs alone too: `python {0}` or `torchrun --nproc-per-node 2 {0}`.\n".format(path.name)
+        "# Run it yourself: torchrun --nproc-per-node 2 {0}\n".format(path.name)
     )
     write_atomically(path, (header + source).encode())
     return path

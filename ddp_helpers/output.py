@@ -56,9 +56,10 @@ class RankOutputStreamer:
             if not chunk:
                 continue
             self._offsets[rank, kind] += len(chunk)
-            *lines, rest = (self._partial[rank, kind] + chunk).split(b"\n")
+            # A progress bar (tqdm) redraws its line with "\r": show each redraw as a line of its own.
+            *lines, rest = (self._partial[rank, kind] + chunk).replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
             self._partial[rank, kind] = rest
-            self._emit(rank, kind, lines)
+            self._emit(rank, kind, [line for line in lines if line.strip()])
 
     def finish(self) -> None:
         self.poll()

@@ -1,0 +1,127 @@
+"""The course's plots, drawn from what the ranks recorded. Each rank has the same colour as its
+`[rank r]` output prefix (see `output.RANK_COLORS`). Every function returns the matplotlib Figure."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.patches import Patch
+
+from .output import rank_color
+
+# Differences of exactly zero are drawn at this floor on log axes, labelled as bitwise equal.
+_ZERO_FLOOR = 1e-18
+
+
+def plot_partitions(
+    partitions: Sequence[Sequence[Sequence[int]]],
+    dataset_size: int,
+    titles: Sequence[str],
+    suptitle: str = "Which samples each rank sees",
+):
+    """One panel per partition: a grid of the data set's indices, each cell coloured by the rank(s) that
+    got it. Row = position in the rank's order, so changes of order across epochs show too.
+
+    Args:
+        partitions: per panel, per rank, the list of indices that rank iterates over, in order.
+        dataset_size: number of samples in the data set (indices 0 .. dataset_size-1).
+        titles: one title per panel (e.g. "epoch 0").
+    """
+    panels = len(partitions)
+    fig, axes = plt.subplots(1, panels, figsize=(max(4.0, 3.2 * panels), 3.2), squeeze=False, sharey=True)
+    for ax, per_rank, title in zip(axes[0], partitions, titles):
+        world = len(per_rank)
+        for rank, indices in enumerate(per_rank):
+            for position, index in enumerate(indices):
+                ax.add_patch(plt.Rectangle((index, rank - 0.4), 0.9, 0.8, color=rank_color(rank), alpha=0.85))
+                ax.text(index + 0.45, rank, str(position), ha="center", va="center", fontsize=7, color="white")
+        counts = np.bincount([i for indices in per_rank for i in indices], minlength=dataset_size)
+        for index in np.flatnonzero(counts > 1):
+            ax.annotate("\u00d7%d" % counts[index], (index + 0.45, world - 0.45), ha="center", fontsize=7, color="black")
+        ax.set_xlim(0, dataset_size)
+        ax.set_ylim(world - 0.4 + 0.5, -0.9)
+        ax.set_yticks(range(world), [f"rank {r}" for r in range(world)])
+        ax.set_xticks(range(0, dataset_size, max(1, dataset_size // 10)))
+        ax.set_xlabel("dataset index (number = position in the rank's order)")
+        ax.set_title(title, fontsize=10)
+    world = max(len(p) for p in partitions)
+    fig.legend(
+        handles=[Patch(color=rank_color(r), label=f"rank {r}") for r in range(world)],
+        loc="upper right", ncol=world, fontsize=8,
+    )
+    fig.suptitle(suptitle, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    return fig
+
+
+def plot_gradient_agreement(
+    parameter_names: Sequence[str],
+    series: dict[str, Sequence[float]],
+    tolerance: float | None = None,
+    title: str = "Gradient agreement per parameter",
+):
+    """Per parameter, the largest absolute difference of each comparison, on a log scale. Exact zeros
+    (bitwise equal) sit on the floor line labelled so.
+
+    Args:
+        parameter_names: x axis labels.
+        series: label -> one max-abs-difference per parameter, e.g.
+            {"local gradients, across ranks": [...], "DDP gradients, across ranks": [...]}.
+        tolerance: drawn as a dashed line (e.g. PyTorch's own test tolerance).
+    """
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    x = np.arange(len(parameter_names))
+    width = 0.8 / len(series)
+    styles = ["#7f7f7f", "#2ca02c", "#9467bd", "#8c564b"]
+    for i, (label, values) in enumerate(series.items()):
+        values = np.maximum(np.asarray(values, dtype=float), _ZERO_FLOOR)
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=label, color=styles[i % len(styles)])
+    ax.set_yscale("log")
+    ax.axhline(_ZERO_FLOOR * 1.5, color="black", linewidth=0.6)
+    ax.text(len(x) - 0.5, _ZERO_FLOOR * 2.5, "bars at this line: bitwise equal (difference 0)", ha="right", fontsize=8)
+    if tolerance is not None:
+        ax.axhline(tolerance, color="red", linestyle="--", linewidth=1, label=f"tolerance {tolerance:g}")
+    ax.set_xticks(x, parameter_names, rotation=20, ha="right")
+    ax.set_ylabel("largest |difference|")
+    ax.set_ylim(_ZERO_FLOOR, None)
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def plot_weights_per_rank(panels: dict[str, Sequence[Sequence[float]]], title: str):
+    """Side-by-side panels of a few weights per rank, e.g. before and after the DDP wrap.
+
+    Args:
+        panels: panel title -> per rank, a short list of weight values.
+    """
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.0), sharey=True, squeeze=False)
+    for ax, (panel_title, per_rank) in zip(axes[0], panels.items()):
+        world = len(per_rank)
+        for rank, values in enumerate(per_rank):
+            positions = np.arange(len(values)) + (rank - (world - 1) / 2) * (0.8 / world)
+            ax.bar(positions, values, 0.8 / world, color=rank_color(rank), label=f"rank {rank}")
+        ax.set_title(panel_title, fontsize=10)
+        ax.set_xlabel("weight index")
+        ax.axhline(0, color="black", linewidth=0.5)
+    axes[0][0].set_ylabel("value")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, x=0.02, ha="left")
+    fig.tight_layout()
+    return fig
+
+
+def plot_loss_per_rank(losses: Sequence[Sequence[float]], title: str = "Training loss on each rank"):
+    """One line per rank: the loss of each step on that rank's own batches."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    for rank, values in enumerate(losses):
+        ax.plot(values, color=rank_color(rank), label=f"rank {rank}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -11,8 +11,8 @@ from matplotlib.patches import Patch
 
 from .output import rank_color
 
-# Differences of exactly zero are drawn at this floor on log axes, labelled as bitwise equal.
-_ZERO_FLOOR = 1e-18
+# Log axes cannot show 0: exact zeros (bitwise equal) are drawn as a short stub at this floor, marked "0".
+_ZERO_FLOOR = 1e-12
 
 
 def plot_partitions(
@@ -44,7 +44,6 @@ def plot_partitions(
         ax.set_ylim(world - 0.4 + 0.5, -0.9)
         ax.set_yticks(range(world), [f"rank {r}" for r in range(world)])
         ax.set_xticks(range(0, dataset_size, max(1, dataset_size // 10)))
-        ax.set_xlabel("dataset index (number = position in the rank's order)")
         ax.set_title(title, fontsize=10)
     world = max(len(p) for p in partitions)
     fig.legend(
@@ -52,6 +51,7 @@ def plot_partitions(
         loc="upper right", ncol=world, fontsize=8,
     )
     fig.suptitle(suptitle, x=0.02, ha="left")
+    fig.supxlabel("dataset index (the number in a cell: its position in that rank's order; \u00d7n: seen n times)", fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.9))
     return fig
 
@@ -71,23 +71,26 @@ def plot_gradient_agreement(
             {"local gradients, across ranks": [...], "DDP gradients, across ranks": [...]}.
         tolerance: drawn as a dashed line (e.g. PyTorch's own test tolerance).
     """
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
     x = np.arange(len(parameter_names))
     width = 0.8 / len(series)
     styles = ["#7f7f7f", "#2ca02c", "#9467bd", "#8c564b"]
     for i, (label, values) in enumerate(series.items()):
-        values = np.maximum(np.asarray(values, dtype=float), _ZERO_FLOOR)
-        ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=label, color=styles[i % len(styles)])
+        values = np.asarray(values, dtype=float)
+        positions = x + (i - (len(series) - 1) / 2) * width
+        color = styles[i % len(styles)]
+        ax.bar(positions, np.maximum(values, _ZERO_FLOOR * 3), width, label=label, color=color, bottom=_ZERO_FLOOR)
+        for position, value in zip(positions, values):
+            if value == 0:
+                ax.text(position, _ZERO_FLOOR * 6, "0", ha="center", va="bottom", fontsize=9, fontweight="bold", color=color)
     ax.set_yscale("log")
-    ax.axhline(_ZERO_FLOOR * 1.5, color="black", linewidth=0.6)
-    ax.text(len(x) - 0.5, _ZERO_FLOOR * 2.5, "bars at this line: bitwise equal (difference 0)", ha="right", fontsize=8)
     if tolerance is not None:
         ax.axhline(tolerance, color="red", linestyle="--", linewidth=1, label=f"tolerance {tolerance:g}")
     ax.set_xticks(x, parameter_names, rotation=20, ha="right")
-    ax.set_ylabel("largest |difference|")
+    ax.set_ylabel("largest |difference|  (0 = bitwise equal)")
     ax.set_ylim(_ZERO_FLOOR, None)
     ax.set_title(title)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
     fig.tight_layout()
     return fig
 

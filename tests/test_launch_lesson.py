@@ -18,3 +18,38 @@ def test_an_unknown_lesson_lists_the_lessons_available(argument):
     assert done.returncode != 0
     assert f"No lesson {argument!r}" in done.stderr
     assert "0  check setup" in done.stderr
+
+
+def test_lesson_2_runs_from_its_notebook_and_saves_its_plots(tmp_path):
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "launch_lesson.sh"), "2"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[rank 1] rank 1 of 2, local rank 1" in done.stdout  # per-rank results, prefixed
+    assert "\u2713 after backward() every rank holds bitwise-identical gradients" in done.stdout
+    plots = sorted((tmp_path / "runs" / "02_ddp_basics" / "plots").glob("*.png"))
+    assert len(plots) >= 6, plots
+    assert all(p.stat().st_size > 10_000 for p in plots)
+
+
+def test_a_failing_check_makes_the_lesson_exit_non_zero(tmp_path, capsys):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from ddp_helpers.lesson_runner import run_notebook
+
+    notebook = tmp_path / "07_broken.ipynb"
+    nbformat.write(
+        new_notebook(cells=[
+            new_code_cell("from ddp_helpers.checks import check\nprint('first cell ran')"),
+            new_code_cell("check(1 + 1 == 3, 'arithmetic holds', 'the sum was not 3')"),
+            new_code_cell("print('must not run')"),
+        ]),
+        notebook,
+    )
+    assert run_notebook(notebook) == 1
+    shown = capsys.readouterr()
+    assert "first cell ran" in shown.out
+    assert "must not run" not in shown.out
+    assert "code cell 2 of 07_broken.ipynb failed" in shown.err

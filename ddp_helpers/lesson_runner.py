@@ -11,10 +11,13 @@ cells tagged `raises-exception` must fail.
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import sys
 from pathlib import Path
+
+from IPython.core.displaypub import DisplayPublisher
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
@@ -35,6 +38,23 @@ def find_lesson(argument: str, folder: Path = NOTEBOOKS) -> Path:
     raise SystemExit(f"No lesson {argument!r}. Lessons available:\n{listing}\nUsage: scripts/launch_lesson.sh N")
 
 
+class PngSavingPublisher(DisplayPublisher):
+    """Prints what cells display, as a terminal shell does, and also saves each displayed PNG image
+    (the static fallback of a widget, for example) to the plots folder."""
+
+    def __init__(self, folder: Path, **kwargs):
+        super().__init__(**kwargs)
+        self.folder = folder
+        self.saved: list[Path] = []
+
+    def publish(self, data, *args, **kwargs):
+        if "image/png" in data:
+            path = self.folder / f"displayed{len(self.saved) + 1:02d}.png"
+            path.write_bytes(base64.b64decode(data["image/png"]))
+            self.saved.append(path)
+        super().publish(data, *args, **kwargs)
+
+
 def run_notebook(notebook: Path) -> int:
     """Run every code cell of `notebook`; return 0 if all behaved, 1 otherwise."""
     import matplotlib
@@ -51,6 +71,7 @@ def run_notebook(notebook: Path) -> int:
     for old in plots.glob("*.png"):
         old.unlink()
     shell = InteractiveShell.instance()
+    shell.display_pub = PngSavingPublisher(shell=shell, folder=plots)
     shell.user_ns["__session__"] = str(notebook)
     os.chdir(notebook.parent)
     cells = [c for c in nbformat.read(notebook, as_version=4).cells if c.cell_type == "code"]
@@ -74,7 +95,7 @@ def run_notebook(notebook: Path) -> int:
             print(f"\nStopped: code cell {index} of {notebook.name} failed (see above).", file=sys.stderr)
             return 1
     print(f"\nAll {len(cells)} code cells of {notebook.name} ran; plots saved:")
-    for path in saved:
+    for path in [*saved, *shell.display_pub.saved]:
         print(f"  {path}")
     return 0
 

@@ -46,13 +46,13 @@ def plot_partitions(
         ax.set_xticks(range(0, dataset_size, max(1, dataset_size // 10)))
         ax.set_title(title, fontsize=10)
     world = max(len(p) for p in partitions)
+    fig.suptitle(suptitle, x=0.02, ha="left")
     fig.legend(
         handles=[Patch(color=rank_color(r), label=f"rank {r}") for r in range(world)],
-        loc="upper right", ncol=world, fontsize=8,
+        loc="upper left", bbox_to_anchor=(0.01, 0.92), ncol=min(world, 8), fontsize=8, frameon=False,
     )
-    fig.suptitle(suptitle, x=0.02, ha="left")
     fig.supxlabel("dataset index (the number in a cell: its position in that rank's order; \u00d7n: seen n times)", fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.tight_layout(rect=(0, 0, 1, 0.84))
     return fig
 
 

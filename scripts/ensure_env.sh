@@ -20,4 +20,10 @@ if [ "$(cat "$stamp_file" 2>/dev/null)" != "$wanted_stamp" ]; then
     "$venv/bin/python" -m pip install --quiet -e "$project_root[test]" >&2
     echo "$wanted_stamp" > "$stamp_file"
 fi
+# JupyterLab settings the project ships (no news or update pop-ups): defaults for this environment.
+lab_settings="$venv/share/jupyter/lab/settings"
+if ! cmp -s "$project_root/jupyter/overrides.json" "$lab_settings/overrides.json"; then
+    mkdir -p "$lab_settings"
+    cp "$project_root/jupyter/overrides.json" "$lab_settings/overrides.json"
+fi
 export PATH="$venv/bin:$PATH"

@@ -1,0 +1,241 @@
+"""The JupyterLab walkthrough in a real browser: every notebook run through JupyterLab's own UI in
+headless Chromium (Debian's `chromium` package, driven by Playwright; nothing downloads a browser).
+
+For each notebook: all cells run with no error output, per-rank output shows, plot images render,
+widgets render as widgets (not their text form), and moving a slider redraws its plot. A screenshot
+per notebook lands in test-artifacts/screenshots/. JupyterLab runs on 127.0.0.1, a free port, with a
+token and temporary settings, and is shut down at the end with nothing of it left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ddp_helpers.processes import kill_marked, marked_processes
+
+ROOT = Path(__file__).resolve().parent.parent
+# The notebook on screen (other open documents are hidden panels).
+PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+SCREENSHOTS = ROOT / "test-artifacts" / "screenshots"
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--disable-quic",
+]
+MARKER_ENV = "DDP_LESSONS_BROWSER_TEST"
+# Text forms that mean a widget did not render as a widget.
+WIDGET_TEXT_FORMS = ("IntSlider(", "VBox(children", "sliders need a live Jupyter kernel")
+
+
+def find_chromium() -> str:
+    for candidate in (os.environ.get("CHROMIUM"), shutil.which("chromium"), "/usr/bin/chromium"):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    pytest.fail(
+        "Chromium not found. The browser test needs Debian's `chromium` package: "
+        "`sudo apt-get install chromium` (or set CHROMIUM=/path/to/chromium). .ci/run installs it."
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class JupyterLab:
+    """A JupyterLab server for the test, with its own settings, runtime folder and marker."""
+
+    def __init__(self, scratch: Path):
+        self.token = secrets.token_hex(16)
+        self.marker = uuid.uuid4().hex
+        self.port = free_port()
+        settings = scratch / "user-settings"
+        # The test's own settings: every cell stays in the page (no virtual scrolling) so all can be checked.
+        tracker = settings / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
+        tracker.parent.mkdir(parents=True)
+        tracker.write_text(json.dumps({"windowingMode": "none"}))
+        env = {
+            **os.environ,
+            "JUPYTER_CONFIG_DIR": str(scratch / "config"),
+            "JUPYTER_RUNTIME_DIR": str(scratch / "runtime"),
+            "JUPYTERLAB_SETTINGS_DIR": str(settings),
+            "JUPYTERLAB_WORKSPACES_DIR": str(scratch / "workspaces"),
+            MARKER_ENV: self.marker,
+        }
+        self.log = open(scratch / "jupyterlab.log", "wb")
+        self.process = subprocess.Popen(
+            [
+                sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
+                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={ROOT}",
+            ],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._wait_until_ready(scratch / "jupyterlab.log")
+
+    def _wait_until_ready(self, log_path: Path, timeout_s: float = 90) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"JupyterLab exited:\n{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/api/status?token={self.token}", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        raise AssertionError(f"JupyterLab did not answer within {timeout_s} s:\n{log_path.read_text()[-3000:]}")
+
+    def stop(self) -> list[int]:
+        """SIGTERM (JupyterLab shuts its kernels down), then SIGKILL; return what was still running."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+        survivors = marked_processes(self.marker, MARKER_ENV)
+        kill_marked(self.marker, MARKER_ENV)
+        return survivors
+
+
+@pytest.fixture(scope="module")
+def chromium_path():
+    return find_chromium()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory, chromium_path):
+    server = JupyterLab(tmp_path_factory.mktemp("jupyterlab"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser(chromium_path, lab):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=chromium_path, headless=True, args=CHROMIUM_FLAGS)
+        yield chromium
+        chromium.close()
+
+
+def run_all_cells(page, timeout_s: float = 180) -> None:
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+    # Done when every code cell shows an execution count, or as soon as an error appears.
+    page.wait_for_function(
+        """() => {
+            const prompts = [...document.querySelectorAll('PANEL .jp-CodeCell .jp-InputArea-prompt')]
+                .map(p => p.textContent.trim());
+            const errors = document.querySelectorAll('PANEL [data-mime-type="application/vnd.jupyter.error"]').length;
+            return errors > 0 || (prompts.length > 0 && prompts.every(t => /^\\[\\d+\\]:$/.test(t)));
+        }""".replace("PANEL", PANEL),
+        timeout=timeout_s * 1000,
+        polling=500,
+    )
+
+
+def output_texts(page) -> list[str]:
+    return page.locator(f"{PANEL} .jp-OutputArea-output").all_inner_texts()
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_in_jupyterlab(browser, lab, notebook):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        # A workspace of its own, reset: only this notebook is open, whatever ran before.
+        page.goto(f"{lab.url}/lab/workspaces/{notebook.stem}/tree/notebooks/{notebook.name}?reset&token={lab.token}")
+        page.wait_for_selector(f"{PANEL} .jp-CodeCell", timeout=90_000)
+        page.wait_for_selector(f"{PANEL} .jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+        run_all_cells(page)
+
+        texts = output_texts(page)
+        errors = page.locator(f"{PANEL} [data-mime-type='application/vnd.jupyter.error']").all_inner_texts()
+        assert not errors, f"{notebook.name}: error output:\n" + "\n---\n".join(errors)[:4000]
+        assert "Would you like to get notified" not in page.content(), "JupyterLab's news pop-up should be off"
+        joined = "\n".join(texts)
+        assert "[rank 0]" in joined and "[rank 1]" in joined, "per-rank output should show in the page"
+        for text_form in WIDGET_TEXT_FORMS:
+            assert text_form not in joined, f"a widget rendered as text ({text_form!r})"
+
+        images = page.locator(f"{PANEL} .jp-OutputArea-output img")
+        rendered = page.evaluate(
+            "(panel) => [...document.querySelectorAll(panel + ' .jp-OutputArea-output img')]"
+            ".filter(i => i.naturalWidth > 100).length",
+            PANEL,
+        )
+        if notebook.name.startswith("02_"):
+            assert rendered >= 6, f"expected the lesson's plots as images, {rendered} rendered"
+            check_widgets(page)
+        else:
+            assert images.count() == rendered
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SCREENSHOTS / f"{notebook.stem}.png"))
+    except Exception:
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SCREENSHOTS / f"{notebook.stem}-failed.png"))
+        prompts = page.locator(f"{PANEL} .jp-CodeCell .jp-InputArea-prompt").all_inner_texts()
+        print(f"{notebook.name} prompts when it failed: {prompts}")
+        print("outputs:\n" + "\n---\n".join(output_texts(page))[-6000:])
+        raise
+    finally:
+        page.close()
+
+
+def check_widgets(page) -> None:
+    sliders = page.locator(".widget-slider")
+    assert sliders.count() >= 2, "the partition explorer's sliders should render as widgets"
+    assert page.locator(".widget-radio-box").count() >= 4, "the quiz's options should render as widgets"
+
+    # The quiz answers at once.
+    first_question = page.locator(".widget-vbox", has=page.locator(".widget-radio-box")).nth(1)
+    first_question.locator("label", has_text="128 samples").click()
+    first_question.locator("button", has_text="Check").click()
+    page.wait_for_function("() => document.body.innerText.includes('Right. DDP averages')", timeout=10_000)
+
+    # Moving the world-size slider redraws the partition plot.
+    explorer_image = page.locator(".widget-output img").first
+    explorer_image.scroll_into_view_if_needed()
+    before = explorer_image.get_attribute("src")
+    handle = sliders.first.locator(".noUi-handle")
+    handle.click()
+    handle.press("ArrowRight")
+    page.wait_for_function(
+        "(before) => { const img = document.querySelector('.widget-output img'); return img && img.src !== before; }",
+        arg=before, timeout=20_000,
+    )
+    assert sliders.first.locator(".widget-readout").inner_text().strip() == "3"
+
+    # The button re-runs step 7 on the chosen 3 ranks and draws what they recorded.
+    before = explorer_image.get_attribute("src")
+    page.locator("button", has_text="Re-run step 7 on these ranks").click()
+    page.wait_for_function("() => document.body.innerText.includes('ran on 3 ranks')", timeout=60_000)
+    page.wait_for_function(
+        "(before) => { const img = document.querySelector('.widget-output img'); return img && img.src !== before; }",
+        arg=before, timeout=20_000,
+    )
+
+
+def test_jupyterlab_shuts_down_leaving_no_process(lab, browser):
+    survivors = lab.stop()
+    assert survivors == [], f"processes of the JupyterLab run still alive after shutdown: {survivors}"

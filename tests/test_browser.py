@@ -139,17 +139,32 @@ def browser(chromium_path, lab):
         chromium.close()
 
 
+def prompts_js(body: str) -> str:
+    return (
+        "() => { const prompts = [...document.querySelectorAll('PANEL .jp-CodeCell .jp-InputArea-prompt')]"
+        ".map(p => p.textContent.trim()); "
+        "const errors = document.querySelectorAll('PANEL [data-mime-type=\"application/vnd.jupyter.error\"]').length; "
+        + body + " }"
+    ).replace("PANEL", PANEL)
+
+
 def run_all_cells(page, timeout_s: float = 180) -> None:
-    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    # A kernel that is still connecting can drop a Run All (seen on a fresh environment, where the
+    # first kernel start is slow): retry until some cell has started.
+    for attempt in range(4):
+        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+        try:
+            page.wait_for_function(prompts_js("return prompts.some(t => t !== '[ ]:');"), timeout=30_000, polling=500)
+            break
+        except PlaywrightTimeout:
+            if attempt == 3:
+                raise
     # Done when every code cell shows an execution count, or as soon as an error appears.
     page.wait_for_function(
-        """() => {
-            const prompts = [...document.querySelectorAll('PANEL .jp-CodeCell .jp-InputArea-prompt')]
-                .map(p => p.textContent.trim());
-            const errors = document.querySelectorAll('PANEL [data-mime-type="application/vnd.jupyter.error"]').length;
-            return errors > 0 || (prompts.length > 0 && prompts.every(t => /^\\[\\d+\\]:$/.test(t)));
-        }""".replace("PANEL", PANEL),
+        prompts_js("return errors > 0 || (prompts.length > 0 && prompts.every(t => /^\\[\\d+\\]:$/.test(t)));"),
         timeout=timeout_s * 1000,
         polling=500,
     )

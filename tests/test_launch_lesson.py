@@ -33,11 +33,11 @@ def test_lesson_2_runs_from_its_notebook_and_saves_its_plots(tmp_path):
     assert all(p.stat().st_size > 10_000 for p in plots)
 
 
-def test_a_failing_check_makes_the_lesson_exit_non_zero(tmp_path, capsys):
+def test_a_failing_check_makes_the_lesson_exit_non_zero(tmp_path):
+    import sys
+
     import nbformat
     from nbformat.v4 import new_code_cell, new_notebook
-
-    from ddp_helpers.lesson_runner import run_notebook
 
     notebook = tmp_path / "07_broken.ipynb"
     nbformat.write(
@@ -48,8 +48,15 @@ def test_a_failing_check_makes_the_lesson_exit_non_zero(tmp_path, capsys):
         ]),
         notebook,
     )
-    assert run_notebook(notebook) == 1
-    shown = capsys.readouterr()
-    assert "first cell ran" in shown.out
-    assert "must not run" not in shown.out
-    assert "code cell 2 of 07_broken.ipynb failed" in shown.err
+    # In a process of its own: the runner's IPython shell is a per-process singleton.
+    done = subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from pathlib import Path; from ddp_helpers.lesson_runner import run_notebook; "
+         f"sys.exit(run_notebook(Path({str(notebook)!r})))"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 1
+    assert "first cell ran" in done.stdout
+    assert "the sum was not 3" in done.stdout + done.stderr
+    assert "must not run" not in done.stdout
+    assert "code cell 2 of 07_broken.ipynb failed" in done.stderr

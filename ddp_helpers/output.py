@@ -30,6 +30,13 @@ def rank_prefix(rank: int, color: bool = True) -> str:
     return f"{_ansi(rank_color(rank))}{label}{_RESET}" if color else label
 
 
+def _redraws(line: bytes) -> list[bytes]:
+    """A progress bar (tqdm) redraws its line with "\r": show each non-empty redraw as a line of its own."""
+    if b"\r" not in line:
+        return [line]
+    return [part for part in line.split(b"\r") if part.strip()]
+
+
 class RankOutputStreamer:
     """Follows every rank's stdout/stderr file and prints complete new lines with a rank prefix.
 
@@ -56,10 +63,9 @@ class RankOutputStreamer:
             if not chunk:
                 continue
             self._offsets[rank, kind] += len(chunk)
-            # A progress bar (tqdm) redraws its line with "\r": show each redraw as a line of its own.
-            *lines, rest = (self._partial[rank, kind] + chunk).replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+            *lines, rest = (self._partial[rank, kind] + chunk).split(b"\n")
             self._partial[rank, kind] = rest
-            self._emit(rank, kind, [line for line in lines if line.strip()])
+            self._emit(rank, kind, [redraw for line in lines for redraw in _redraws(line)])
 
     def finish(self) -> None:
         self.poll()

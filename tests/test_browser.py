@@ -4,7 +4,8 @@ headless Chromium (Debian's `chromium` package, driven by Playwright; nothing do
 For each notebook: all cells run with no error output, per-rank output shows, plot images render,
 widgets render as widgets (not their text form), and moving a slider redraws its plot. A screenshot
 per notebook lands in test-artifacts/screenshots/. JupyterLab runs on 127.0.0.1, a free port, with a
-token and temporary settings, and is shut down at the end with nothing of it left running.
+token and temporary settings, on a copy of the notebooks (it autosaves what it runs), and is shut
+down at the end with nothing of it left running.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class JupyterLab:
     """A JupyterLab server for the test, with its own settings, runtime folder and marker."""
 
     def __init__(self, scratch: Path):
+        # Serve a copy: JupyterLab autosaves run notebooks, and the committed ones must stay clean.
+        self.root = scratch / "course"
+        shutil.copytree(ROOT / "notebooks", self.root / "notebooks")
         self.token = secrets.token_hex(16)
         self.marker = uuid.uuid4().hex
         self.port = free_port()
@@ -82,7 +86,7 @@ class JupyterLab:
             [
                 sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
                 "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
-                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={ROOT}",
+                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
             ],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )

@@ -6,21 +6,16 @@ Public API (see README.md):
     record                                   script side: save a value for the notebook
     %load_ext ddp_helpers                    the %%torchrun cell magic
 
-This module stays light: ranks import it to call `record`, so nothing heavy is imported here.
+This module stays light: ranks import it to call `record`, so nothing heavy (torch, IPython,
+matplotlib) is imported here.
 """
 
 from __future__ import annotations
 
 from .config import LaunchConfig, LaunchError, make_launch_config
+from .launcher import launch
 from .recording import record
 from .result import RankResult, RunFailed, RunResult
-
-
-def launch(config: LaunchConfig) -> RunResult:
-    """Run a LaunchConfig; see ddp_helpers.launcher.launch."""
-    from .launcher import launch as _launch
-
-    return _launch(config)
 
 
 def run_script(script, **options) -> RunResult:

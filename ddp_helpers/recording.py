@@ -19,7 +19,6 @@ import json
 import os
 import re
 import sys
-from pathlib import Path
 
 from .run_files import RUN_DIR_ENV, facts_dir, write_atomically
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import textwrap
 from pathlib import Path
@@ -10,7 +9,6 @@ from pathlib import Path
 from ddp_helpers import launch, make_launch_config
 from ddp_helpers.config import Hardware
 from ddp_helpers.processes import marked_processes
-from ddp_helpers.run_files import RUN_ID_ENV
 
 
 def run_on_cpu(script: Path, nproc: int = 2, **options):

@@ -1,7 +1,5 @@
 """Real torchrun launches on gloo CPU ranks: what a run hands back, and how failures end."""
 
-import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -12,7 +10,6 @@ import pytest
 import torch
 
 from ddp_helpers.config import LaunchError, make_launch_config
-from ddp_helpers.run_files import RUN_ID_ENV
 from support import LOOPBACK_HEX, OWN_SOCKETS_SOURCE, failure_report, hold_port, processes_left, run_on_cpu
 
 LEAKED_FROM_AN_OUTER_TORCHRUN = {
@@ -50,16 +47,10 @@ def healthy_run(tmp_path_factory):
     like a kernel which itself runs under torchrun."""
     script = tmp_path_factory.mktemp("healthy") / "healthy.py"
     script.write_text(HEALTHY_SCRIPT)
-    saved = {k: os.environ.get(k) for k in LEAKED_FROM_AN_OUTER_TORCHRUN}
-    os.environ.update(LEAKED_FROM_AN_OUTER_TORCHRUN)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in LEAKED_FROM_AN_OUTER_TORCHRUN.items():
+            patch.setenv(key, value)
         run = run_on_cpu(script, nproc=3)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     assert run.ok, failure_report(run)
     return run
 

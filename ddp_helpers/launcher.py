@@ -27,6 +27,7 @@ on an OS-chosen port for the duration of the run, as every torchrun launch does.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -169,9 +170,21 @@ def _wait_for(proc: subprocess.Popen, seconds: float, streamer: RankOutputStream
         time.sleep(_POLL_INTERVAL_S)
 
 
+# torchrun's failure summary: "rank      : 2 (local_rank: 2)" then "exitcode  : -15 (pid: 123)".
+_TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank.*?\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def exit_codes_from_torchrun_log(log: str) -> dict[int, int]:
+    """Exit codes torchrun reports for failed or stopped workers (negative: killed by that signal)."""
+    return {int(rank): int(code) for rank, code in _TORCHRUN_FAILURE.findall(log)}
+
+
 def _collect_result(
     config: LaunchConfig, returncode: int | None, wall_time_s: float, timed_out: bool, log_path: Path
 ) -> RunResult:
+    launcher_log = _read_text(log_path)
+    # A rank reports its own exit code; one killed from outside cannot, but torchrun saw how it ended.
+    seen_by_torchrun = exit_codes_from_torchrun_log(launcher_log)
     ranks = []
     for rank in range(config.nproc):
         ended = read_json(rank_file(config.run_dir, rank, "exit.json"))
@@ -179,7 +192,7 @@ def _collect_result(
         ranks.append(
             RankResult(
                 rank=rank,
-                exit_code=ended["exit_code"] if ended else None,
+                exit_code=ended["exit_code"] if ended else seen_by_torchrun.get(rank),
                 stdout=_read_text(rank_file(config.run_dir, rank, "stdout")),
                 stderr=_read_text(rank_file(config.run_dir, rank, "stderr")),
                 facts=read_facts(config.run_dir, rank),
@@ -195,7 +208,7 @@ def _collect_result(
         devices=devices,
         returncode=returncode,
         timed_out=timed_out,
-        launcher_log=_read_text(log_path),
+        launcher_log=launcher_log,
     )
 
 

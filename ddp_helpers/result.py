@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import LaunchConfig
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 @dataclass(frozen=True)
@@ -24,8 +32,9 @@ class RankResult:
 
     Attributes:
         rank: the global rank.
-        exit_code: the code the rank's script ended with; None when the rank was stopped from outside
-            (by torchrun after another rank failed, or by the launcher's timeout).
+        exit_code: the code the rank's script ended with; for a rank stopped from outside (by torchrun
+            after another rank failed) minus the signal number, as torchrun reports it; None when
+            unknown (the launcher's timeout or interrupt stopped the run).
         stdout, stderr: everything the rank printed, not interleaved with other ranks.
         facts: the values it recorded with `ddp_helpers.record`, by name.
         error: the exception that ended it, if any.
@@ -44,6 +53,8 @@ class RankResult:
             return "ok"
         if self.exit_code is None:
             return "stopped"
+        if self.exit_code < 0:
+            return f"stopped ({_signal_name(-self.exit_code)})"
         return f"failed (exit code {self.exit_code})"
 
 
@@ -85,7 +96,7 @@ class RunResult:
         failed = [r for r in self.ranks if r.error is not None]
         if failed:
             return min(failed, key=lambda r: r.error.time)
-        nonzero = [r for r in self.ranks if r.exit_code not in (0, None)]
+        nonzero = [r for r in self.ranks if r.exit_code is not None and r.exit_code > 0]
         return nonzero[0] if nonzero else None
 
     def facts(self, name: str) -> list:

@@ -123,7 +123,8 @@ def test_a_failing_rank_is_named_with_its_traceback_and_the_others_stop(write_sc
     assert 'raise ValueError("bad batch on rank 1")' in run.first_failure.error.traceback
     assert "_bootstrap" not in run.first_failure.error.traceback
     assert run.wall_time_s < 45
-    assert [r.status for r in run.ranks] == ["stopped", "failed (exit code 1)", "stopped"]
+    assert [r.status for r in run.ranks] == ["stopped (SIGTERM)", "failed (exit code 1)", "stopped (SIGTERM)"]
+    assert [r.exit_code for r in run.ranks] == [-15, 1, -15]
     assert "Rank 1 failed first: ValueError: bad batch on rank 1" in run.summary()
     assert processes_left("TEST_MARK", marker) == []
 

@@ -43,11 +43,10 @@ def quiz_widget(questions: list[Question]):
 
 def show_quiz(questions: list[Question]) -> None:
     """Display the quiz. Where widgets cannot render (nbmake, a terminal), the questions show as text."""
-    from IPython.display import display
+    from .widgets import display_with_fallback
 
-    bundle = quiz_widget(questions)._repr_mimebundle_() or {}
-    bundle["text/plain"] = "\n\n".join(
+    as_text = "\n\n".join(
         f"{n}. {q.prompt}\n" + "\n".join(f"   ( ) {option}" for option in q.options)
         for n, q in enumerate(questions, start=1)
     )
-    display(bundle, raw=True)
+    display_with_fallback(quiz_widget(questions), {"text/plain": as_text})

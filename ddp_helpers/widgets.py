@@ -17,7 +17,18 @@ import io
 
 import matplotlib.pyplot as plt
 
+from .config import LaunchError, make_launch_config
+from .launcher import launch
 from .plots import plot_partitions
+
+
+def display_with_fallback(widget, fallback: dict[str, str]) -> None:
+    """Display `widget`; frontends that cannot render widgets show `fallback` (mimetype -> data) instead."""
+    from IPython.display import display
+
+    bundle = widget._repr_mimebundle_() or {}
+    bundle.update(fallback)
+    display(bundle, raw=True)
 
 
 def sampler_partition(dataset_size: int, world_size: int, epoch: int, call_set_epoch: bool, seed: int = 0):
@@ -80,7 +91,7 @@ def partition_explorer(run=None, dataset_size: int = 12, epochs: int = 3, max_wo
 
     def current_figure():
         latest = recorded["run"]
-        if latest is not None and len(latest.ranks) == world.value and epoch.value < epochs:
+        if latest is not None and len(latest.ranks) == world.value:
             first = recorded_partition(latest, 0, set_epoch.value)
             chosen = recorded_partition(latest, epoch.value, set_epoch.value)
             source = "recorded by the ranks"
@@ -100,9 +111,6 @@ def partition_explorer(run=None, dataset_size: int = 12, epochs: int = 3, max_wo
             plt.close(fig)
 
     def rerun_step(_):
-        from .config import LaunchError, make_launch_config
-        from .launcher import launch
-
         rerun.disabled = True
         status.value = f"running step 7 on {world.value} rank(s) ..."
         try:
@@ -124,8 +132,11 @@ def partition_explorer(run=None, dataset_size: int = 12, epochs: int = 3, max_wo
     redraw()
 
     static = current_figure()
-    bundle = widgets.VBox([widgets.HBox([world, epoch, set_epoch]), widgets.HBox([rerun, status]), plot_area])._repr_mimebundle_() or {}
-    bundle["image/png"] = _png_base64(static)
-    bundle["text/plain"] = "Sample-partition explorer (sliders need a live Jupyter kernel; static plot shown)"
+    display_with_fallback(
+        widgets.VBox([widgets.HBox([world, epoch, set_epoch]), widgets.HBox([rerun, status]), plot_area]),
+        {
+            "image/png": _png_base64(static),
+            "text/plain": "Sample-partition explorer (sliders need a live Jupyter kernel; static plot shown)",
+        },
+    )
     plt.close(static)
-    display(bundle, raw=True)

@@ -153,25 +153,29 @@ def prompts_js(body: str) -> str:
 
 
 def run_all_cells(page, timeout_s: float = 180) -> None:
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    """Run All, then wait until every code cell has an execution count, or an error appears.
 
-    # A kernel that is still connecting can drop a Run All (seen on a fresh environment, where the
-    # first kernel start is slow): retry until some cell has started.
-    for attempt in range(4):
-        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
-        try:
-            page.wait_for_function(prompts_js("return prompts.some(t => t !== '[ ]:');"), timeout=30_000, polling=500)
-            break
-        except PlaywrightTimeout:
-            if attempt == 3:
-                raise
-    # Done when every code cell shows an execution count, or as soon as an error appears.
-    page.wait_for_function(
-        prompts_js("return errors > 0 || (prompts.length > 0 && prompts.every(t => /^\\[\\d+\\]:$/.test(t)));"),
-        timeout=timeout_s * 1000,
-        polling=500,
+    A kernel that is still connecting can drop some or all of a Run All (seen on fresh environments:
+    no cell ran, or only the first). When nothing runs while cells are left unrun, ask again."""
+    state_js = prompts_js(
+        "return {errors, total: prompts.length, unrun: prompts.filter(t => t === '[ ]:').length,"
+        " running: prompts.filter(t => t === '[*]:').length};"
     )
+    deadline = time.monotonic() + timeout_s
+    requests, stalled_since = 0, time.monotonic()
+    while True:
+        if requests == 0 or (requests < 4 and time.monotonic() - stalled_since > 15):
+            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+            requests, stalled_since = requests + 1, time.monotonic()
+        state = page.evaluate(state_js)
+        if state["errors"] or (state["total"] and not state["unrun"] and not state["running"]):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"cells not all run after {timeout_s} s ({requests} Run All requests): {state}")
+        if state["running"]:
+            stalled_since = time.monotonic()
+        time.sleep(0.5)
 
 
 def output_texts(page) -> list[str]:

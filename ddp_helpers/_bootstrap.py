@@ -1,43 +1,58 @@
 """Worker entry point: `torchrun ... -m ddp_helpers._bootstrap script.py [args]`.
 
 Every rank runs the user's script through this tiny wrapper, which
-- sends the rank's stdout/stderr to its own files in the run directory (the launcher streams them),
-- dies with torchrun (parent-death signal) so a killed kernel leaves no orphan,
-- dumps every thread's stack on SIGUSR1 (the launcher sends it when a run times out),
-- records the exception that ended the rank, with its time, so the launcher can name the first failure,
-- ends the process with os._exit after flushing: a DDP process can otherwise abort during interpreter
-  shutdown ("terminate called without an active exception", SIGABRT) after all its work is done.
-  The price: atexit handlers do not run.
+- exits at once if the torchrun agent is already gone, and otherwise dies with it (parent-death signal),
+  so a killed kernel leaves no rank, even one that was just starting;
+- sends the rank's stdout/stderr into the run folder (through the supervisor's capped pipes);
+- dumps every thread's stack on SIGUSR1 into `rankN.stack` (the launcher asks on timeout);
+- records the exception that ended the rank, with its time, so the launcher can name the first failure;
+- ends the script as the interpreter would (non-daemon threads joined, atexit handlers run, every
+  open file flushed), then ends the process with os._exit: a DDP process can otherwise abort in the
+  interpreter's final teardown ("terminate called without an active exception", SIGABRT) after all
+  its work is done. What still differs from plain torchrun: objects are not finalised (`__del__`
+  methods of objects still alive at exit do not run), C++ static destructors do not run.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import gc
+import io
 import os
 import runpy
 import signal
 import sys
+import threading
 import time
 import traceback
 
 from .processes import die_with_parent
-from .run_files import RUN_DIR_ENV, rank_file, write_json
+from .run_folder import AGENT_PID_ENV, RunFolder
+
+_BUFFERED_FILE_TYPES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+_open_stack_file = None  # kept alive: faulthandler writes into it from its signal handler
 
 
-def _redirect_output(run_dir: str, rank: int) -> None:
+def _redirect_output(folder: RunFolder, rank: int) -> None:
     for fd, kind in ((1, "stdout"), (2, "stderr")):
-        target = os.open(rank_file(run_dir, rank, kind), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        pipe = folder.fifo(rank, kind)
+        if pipe.exists():
+            target = os.open(pipe, os.O_WRONLY)
+        else:  # launched without the supervisor's pipes: plain files
+            target = os.open(folder.rank_file(rank, kind), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(target, fd)
         os.close(target)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
 
 
-def _exit_code(exit: SystemExit) -> int:
+def _exit_status(exit: SystemExit) -> int:
+    """The status the OS reports for `sys.exit(code)`: as the interpreter does, codes wrap modulo 256."""
     if exit.code is None:
         return 0
-    if isinstance(exit.code, int):
-        return exit.code
+    if isinstance(exit.code, int) and not isinstance(exit.code, bool):
+        return exit.code & 0xFF if -(2**31) <= exit.code < 2**31 else 0xFF
     print(exit.code, file=sys.stderr)
     return 1
 
@@ -62,42 +77,63 @@ def _warn_if_process_group_left_open(rank: int) -> None:
         )
 
 
+def _finish_like_the_interpreter() -> None:
+    """What interpreter shutdown does for a script, short of its final teardown."""
+    threading._shutdown()  # join non-daemon threads, as the interpreter does first
+    atexit._run_exitfuncs()
+    # Files a script never closed: their buffers would be flushed when finalised at shutdown.
+    # type() rather than isinstance: isinstance reads __class__, which some lazy objects answer with a warning.
+    for obj in gc.get_objects():
+        if type(obj) in _BUFFERED_FILE_TYPES:
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except Exception:  # noqa: BLE001 - a broken stream must not change the rank's exit
+                pass
+
+
 def main() -> None:
+    global _open_stack_file
     if len(sys.argv) < 2:
         sys.exit("usage: python -m ddp_helpers._bootstrap SCRIPT [ARGS...]")
     script = os.path.abspath(sys.argv[1])
     sys.argv = [script, *sys.argv[2:]]
-    die_with_parent()
+    agent_pid = os.environ.get(AGENT_PID_ENV)
+    die_with_parent(int(agent_pid) if agent_pid else None)
     rank = int(os.environ.get("RANK", "0"))
-    run_dir = os.environ.get(RUN_DIR_ENV)
-    if run_dir:
-        _redirect_output(run_dir, rank)
-        rank_file(run_dir, rank, "pid").write_text(str(os.getpid()))
+    folder = RunFolder.from_environment()
+    if folder is not None:
+        _redirect_output(folder, rank)
+        folder.write_json(folder.rank_file(rank, "pid"), {"rank": rank, "pid": os.getpid()})
+        _open_stack_file = open(folder.rank_file(rank, "stack"), "w")
     faulthandler.enable()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=_open_stack_file or sys.stderr, all_threads=True)
     sys.path.insert(0, os.path.dirname(script))
 
     exit_code = 0
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exit:
-        exit_code = _exit_code(exit)
+        exit_code = _exit_status(exit)
     except BaseException as error:  # noqa: BLE001 - any failure ends the rank; it is reported, not hidden
         exit_code = 1
+        failed_at = time.time()
         text = _print_user_traceback(error, script)
-        if run_dir:
-            write_json(
-                rank_file(run_dir, rank, "error.json"),
-                {"rank": rank, "time": time.time(), "type": type(error).__name__, "message": str(error),
+        if folder is not None:
+            folder.write_json(
+                folder.rank_file(rank, "error.json"),
+                {"rank": rank, "time": failed_at, "type": type(error).__name__, "message": str(error),
                  "traceback": text},
             )
+    try:
+        _finish_like_the_interpreter()
+    except BaseException:  # noqa: BLE001 - e.g. an exception while joining threads: shown, exit unchanged
+        traceback.print_exc()
     finally:
         if exit_code == 0:
             _warn_if_process_group_left_open(rank)
         sys.stdout.flush()
         sys.stderr.flush()
-        if run_dir:
-            write_json(rank_file(run_dir, rank, "exit.json"), {"rank": rank, "exit_code": exit_code})
         os._exit(exit_code)
 
 

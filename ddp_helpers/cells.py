@@ -1,37 +1,41 @@
 """Turning a notebook cell into a script file that every rank runs.
 
-Scripts go to `<runs root>/<notebook name>/<cell name>.py`, with a header saying where they came
-from; each run's output goes beside it, in `<runs root>/<notebook name>/<cell name>/`.
-The runs root is $DDP_HELPERS_RUNS if set, else `runs/` in the project (or in the current folder
-when ddp_helpers is installed elsewhere).
+Scripts go to `<runs root>/<notebook key>/<cell name>.py`, with a header saying where they came from;
+each run's folder goes beside it, in `<runs root>/<notebook key>/<cell name>/`. The notebook key is the
+notebook's file name for the course's own notebooks (`runs/02_ddp_basics/`), and the name plus a hash
+of the notebook's full path for any other, so two notebooks with one name never share a folder.
+The runs root is $DDP_HELPERS_RUNS if set, else `runs/` in the project (`config.runs_root`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
 
-from .config import LaunchError
-from .run_files import write_atomically
+from .config import runs_root
+from .errors import LaunchError
+from .run_folder import write_atomically
 
 _VALID_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
+COURSE_NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
-def runs_root() -> Path:
-    if os.environ.get("DDP_HELPERS_RUNS"):
-        return Path(os.environ["DDP_HELPERS_RUNS"]).resolve()
-    project = Path(__file__).resolve().parent.parent
-    if (project / "pyproject.toml").is_file():
-        return project / "runs"
-    return Path.cwd() / "runs"
-
-
-def notebook_name(user_namespace: dict) -> str:
-    """The running notebook's file name without '.ipynb', as Jupyter tells the kernel; 'notebook' if unknown."""
+def notebook_path(user_namespace: dict) -> Path | None:
+    """The running notebook's path, as Jupyter tells the kernel; None if unknown (plain IPython)."""
     session = user_namespace.get("__session__") or os.environ.get("JPY_SESSION_NAME") or ""
-    stem = Path(str(session)).stem
-    return re.sub(r"[^A-Za-z0-9_-]", "_", stem) or "notebook"
+    return Path(str(session)).expanduser().resolve() if session else None
+
+
+def notebook_key(path: Path | None) -> str:
+    """The folder name under the runs root for a notebook's scripts and runs."""
+    if path is None:
+        return "notebook"
+    stem = re.sub(r"[^A-Za-z0-9_-]", "_", path.stem) or "notebook"
+    if path.parent == COURSE_NOTEBOOKS:
+        return stem
+    return f"{stem}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
 
 
 def check_cell_name(name: str) -> str:
@@ -40,15 +44,20 @@ def check_cell_name(name: str) -> str:
     return name
 
 
-def write_cell_script(source: str, *, notebook: str, name: str, root: Path | None = None) -> Path:
-    """Compile `source` (so a SyntaxError surfaces before anything is written or launched), then write it
-    as `<root>/<notebook>/<name>.py` and return that path."""
+def cell_paths(notebook: str, name: str, root: Path | None = None) -> tuple[Path, Path]:
+    """(script file, run folder) of cell `name` of the notebook with key `notebook`."""
     check_cell_name(name)
+    folder = (root or runs_root()) / notebook
+    return folder / f"{name}.py", folder / name
+
+
+def write_cell_script(source: str, script: Path, *, origin: str, name: str) -> Path:
+    """Compile `source` (so a SyntaxError surfaces before anything is written or launched), then write it
+    to `script` with a header saying where it came from."""
     compile(source, f"<cell {name}>", "exec")
-    path = (root or runs_root()) / notebook / f"{name}.py"
     header = (
-        f"# Generated from {notebook}.ipynb, %%torchrun cell {name!r} - edit the notebook, not this file.\n"
-        "# Run it yourself: torchrun --nproc-per-node 2 {0}\n".format(path.name)
+        f"# Generated from {origin}, %%torchrun cell {name!r} - edit the notebook, not this file.\n"
+        f"# Run it yourself: torchrun --nproc-per-node 2 {script.name}\n"
     )
-    write_atomically(path, (header + source).encode())
-    return path
+    write_atomically(script, (header + source).encode())
+    return script

@@ -5,24 +5,57 @@ Defaults:
 - k CUDA GPUs present: nproc = k, backend "nccl", one GPU per rank.
 - no GPU: nproc = 2 CPU processes, backend "gloo".
 - Asking for more ranks than GPUs with nccl is an error that names the CPU option (backend="gloo").
+- The run folder lives under the runs root (`runs_root()`), never among the user's files:
+  `<runs root>/scripts/<script name>-<hash of its full path>/` for a script, chosen by the magic for a cell.
+- The ranks' working directory is the run folder (fresh at each launch) unless `cwd` is given.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
+import re
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import LaunchError
+
 # Below nbmake's 300 s per-cell limit, so that the launcher's own cleanup runs before nbmake kills the kernel.
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_CPU_NPROC = 2
 BACKENDS = ("gloo", "nccl")
+# Variables the launcher sets itself (or torchrun sets per rank): extra_env may not override them.
+RESERVED_ENV_PREFIXES = ("DDP_HELPERS_", "TORCHELASTIC_")
+RESERVED_ENV = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class LaunchError(ValueError):
-    """Bad launch input, reported before any process starts."""
+def runs_root() -> Path:
+    """Where generated scripts and run folders go: $DDP_HELPERS_RUNS if set, else `runs/` in the project
+    (or in the current folder when ddp_helpers is installed elsewhere)."""
+    if os.environ.get("DDP_HELPERS_RUNS"):
+        return Path(os.environ["DDP_HELPERS_RUNS"]).expanduser().resolve()
+    project = Path(__file__).resolve().parent.parent
+    if (project / "pyproject.toml").is_file():
+        return project / "runs"
+    return Path.cwd() / "runs"
+
+
+def default_run_dir(script: Path) -> Path:
+    """A run folder of its own for each script path: two scripts with one name never share one."""
+    digest = hashlib.sha1(str(script).encode()).hexdigest()[:8]
+    return runs_root() / "scripts" / f"{script.stem}-{digest}"
+
+
+def max_cpu_ranks() -> int:
+    """More CPU ranks than this would only thrash the machine (each imports torch: ~300 MB)."""
+    return max(8, 4 * (os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -60,7 +93,9 @@ class LaunchConfig:
         nproc (int): number of ranks (processes) on this machine.
         backend (str): "gloo" (CPU processes) or "nccl" (one GPU per rank).
         timeout_s (float): the run is stopped, with a stack dump of every live rank, after this long.
-        run_dir (Path): per-run output (each rank's stdout/stderr, recorded facts); emptied at launch.
+        run_dir (Path): per-run output (each rank's stdout/stderr, recorded facts); emptied at launch,
+            and only if ddp_helpers made it (see `run_folder`).
+        cwd (Path | None): the ranks' working directory; None: the run folder.
         extra_env (Mapping[str, str]): environment variables added for every rank.
         script_args (tuple[str, ...]): command-line arguments passed to the script.
         stream (bool): print each rank's output live, prefixed by its rank.
@@ -76,6 +111,11 @@ class LaunchConfig:
     extra_env: Mapping[str, str] = field(default_factory=dict)
     script_args: tuple[str, ...] = ()
     stream: bool = True
+    cwd: Path | None = None
+
+    @property
+    def working_dir(self) -> Path:
+        return self.cwd or self.run_dir
 
     def __post_init__(self) -> None:
         # Freeze the environment mapping too, so a config can be shared without surprises.
@@ -94,7 +134,47 @@ def parse_nproc(value: object) -> int:
         ) from None
     if nproc < 1:
         raise LaunchError(f"nproc must be 1 or more processes, got {nproc}. Example: --nproc 2")
+    if nproc > max_cpu_ranks():
+        raise LaunchError(
+            f"nproc {nproc} is more processes than this machine can run ({os.cpu_count()} CPU cores; at most "
+            f"{max_cpu_ranks()} ranks here, each one a Python process with torch). Example: --nproc 2"
+        )
     return nproc
+
+
+def parse_timeout(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LaunchError(
+            f"timeout must be a number of seconds (an int or float), got {type(value).__name__} {value!r}. "
+            "Example: timeout_s=60 (magic: --timeout 60)"
+        )
+    if not (value > 0 and math.isfinite(value)):
+        raise LaunchError(f"timeout must be a positive number of seconds, got {value!r}. Example: --timeout 60")
+    return float(value)
+
+
+def check_extra_env(extra_env: object) -> dict[str, str]:
+    """extra_env as a plain dict of strings, or LaunchError naming the entry to fix."""
+    if extra_env is None:
+        return {}
+    if not isinstance(extra_env, Mapping):
+        raise LaunchError(f"extra_env must be a dict of variable names to strings, got {type(extra_env).__name__}.")
+    for key, value in extra_env.items():
+        if not isinstance(key, str) or not _ENV_NAME.match(key):
+            raise LaunchError(f"extra_env: {key!r} is not an environment variable name (letters, digits, '_').")
+        if not isinstance(value, str):
+            raise LaunchError(
+                f"extra_env[{key!r}] must be a string, got {type(value).__name__} {value!r}: "
+                f"write it as {str(value)!r} if that is what you mean."
+            )
+        if "\0" in value:
+            raise LaunchError(f"extra_env[{key!r}] contains a NUL character, which no environment can hold.")
+        if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIXES):
+            raise LaunchError(
+                f"extra_env may not set {key}: the launcher (or torchrun, for each rank) sets it, and the run "
+                "depends on its value. Pass your own variable under another name."
+            )
+    return dict(extra_env)
 
 
 def make_launch_config(
@@ -104,6 +184,7 @@ def make_launch_config(
     backend: str | None = None,
     timeout_s: float | None = None,
     run_dir: str | os.PathLike | None = None,
+    cwd: str | os.PathLike | None = None,
     extra_env: Mapping[str, str] | None = None,
     script_args: tuple[str, ...] = (),
     stream: bool = True,
@@ -117,14 +198,18 @@ def make_launch_config(
         backend: "nccl" or "gloo"; default nccl with GPUs, gloo without. With GPUs present,
             backend="gloo" runs CPU processes (GPUs hidden from the ranks), any number of them.
         timeout_s: stop the run after this many seconds (default 120).
-        run_dir: folder for per-run output; default `<script folder>/<script name>/`.
+        run_dir: folder for per-run output; default `<runs root>/scripts/<script name>-<hash>/`. A folder
+            that exists but was not made by ddp_helpers is refused at launch (it would be emptied).
+        cwd: the ranks' working directory (e.g. "." for the notebook's folder); default the run folder,
+            fresh at each launch.
         extra_env: environment variables for every rank.
         script_args: arguments passed to the script.
         stream: print each rank's output live.
         hardware: the devices to plan for; detected when omitted.
 
     Raises:
-        LaunchError: bad nproc, unknown backend, a missing script, or more nccl ranks than GPUs.
+        LaunchError: bad nproc or timeout, unknown backend, a missing script or cwd, more nccl ranks
+            than GPUs, or extra_env with non-string values or the launcher's own variables.
 
     Example:
         >>> config = make_launch_config("train.py", nproc=2, backend="gloo")
@@ -134,10 +219,13 @@ def make_launch_config(
         raise LaunchError(f"Script not found: {script_path}. Check the path (relative paths start at {Path.cwd()}).")
     if backend is not None and backend not in BACKENDS:
         raise LaunchError(f"Unknown backend {backend!r}: use 'nccl' (one GPU per rank) or 'gloo' (CPU processes).")
-    if timeout_s is None:
-        timeout_s = DEFAULT_TIMEOUT_S
-    if not timeout_s > 0:
-        raise LaunchError(f"timeout must be a positive number of seconds, got {timeout_s!r}.")
+    timeout_s = parse_timeout(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    env = check_extra_env(extra_env)
+    working_dir = None
+    if cwd is not None:
+        working_dir = Path(cwd).expanduser().resolve()
+        if not working_dir.is_dir():
+            raise LaunchError(f"cwd {working_dir} is not a folder. Example: cwd='.' for the notebook's folder.")
 
     hardware = hardware or detect_hardware()
     if backend is None:
@@ -158,7 +246,6 @@ def make_launch_config(
                 "to run the ranks as CPU processes."
             )
 
-    env = dict(extra_env or {})
     if backend == "gloo" and hardware.gpu_count:
         # CPU ranks on a GPU machine: hide the GPUs so `torch.cuda.is_available()` picks the CPU path.
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
@@ -166,9 +253,10 @@ def make_launch_config(
         script=script_path,
         nproc=nproc,
         backend=backend,
-        timeout_s=float(timeout_s),
-        run_dir=Path(run_dir).resolve() if run_dir else script_path.with_suffix(""),
+        timeout_s=timeout_s,
+        run_dir=Path(run_dir).expanduser().resolve() if run_dir else default_run_dir(script_path),
         extra_env=env,
-        script_args=tuple(script_args),
+        script_args=tuple(str(a) for a in script_args),
         stream=stream,
+        cwd=working_dir,
     )

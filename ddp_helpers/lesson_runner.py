@@ -64,9 +64,10 @@ def run_notebook(notebook: Path) -> int:
     import nbformat
     from IPython.core.interactiveshell import InteractiveShell
 
-    from .cells import runs_root
+    from .cells import notebook_key
+    from .config import runs_root
 
-    plots = runs_root() / notebook.stem / "plots"
+    plots = runs_root() / notebook_key(notebook.resolve()) / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     for old in plots.glob("*.png"):
         old.unlink()

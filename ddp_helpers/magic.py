@@ -22,10 +22,12 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .config import DEFAULT_TIMEOUT_S, LaunchError, make_launch_config
-from .cells import notebook_name, write_cell_script
+from .cells import cell_paths, notebook_key, notebook_path, write_cell_script
+from .config import DEFAULT_TIMEOUT_S, make_launch_config
+from .errors import LaunchError
 from .launcher import launch
 from .result import RunFailed
+from .run_folder import RunFolder
 
 
 class RunFailedInCell(RunFailed):
@@ -47,6 +49,9 @@ class TorchrunMagics(Magics):
               help="name of the script file written for this cell (default: cell<execution count>)")
     @argument("--timeout", default=None, type=float,
               help=f"seconds before the run is stopped with a stack dump of every rank (default {DEFAULT_TIMEOUT_S:.0f})")
+    @argument("--cwd", default=None,
+              help="the ranks' working directory, e.g. '.' for the notebook's folder (default: the cell's run "
+                   "folder, emptied at each launch)")
     @argument("--out", default="last_run", help="variable that receives the RunResult (default: last_run)")
     @cell_magic
     def torchrun(self, line: str, cell: str):
@@ -61,15 +66,28 @@ class TorchrunMagics(Magics):
         if not args.out.isidentifier():
             raise UsageError(f"--out must be a Python variable name, got {args.out!r}.")
         name = args.name or f"cell{self.shell.execution_count}"
+        notebook = notebook_path(self.shell.user_ns)
         try:
-            script = write_cell_script(cell, notebook=notebook_name(self.shell.user_ns), name=name)
-            config = make_launch_config(script, nproc=args.nproc, backend=args.backend, timeout_s=args.timeout)
+            compile(cell, f"<cell {name}>", "exec")
+            script, run_dir = cell_paths(notebook_key(notebook), name)
+            # Held from the script's writing to the end of the run: another kernel running the same cell
+            # of the same notebook can neither replace the script under the ranks nor mix in its results.
+            folder = RunFolder.claim(run_dir)
         except SyntaxError as error:
             sys.stderr.write("".join(traceback.format_exception_only(type(error), error)))
             raise UsageError(f"The cell has a syntax error (line {error.lineno}); nothing was launched.") from None
         except LaunchError as error:
             raise UsageError(str(error)) from None
-        run = launch(config)
+        with folder:
+            try:
+                write_cell_script(cell, script, origin=notebook.name if notebook else "notebook.ipynb", name=name)
+                config = make_launch_config(
+                    script, nproc=args.nproc, backend=args.backend, timeout_s=args.timeout, run_dir=run_dir,
+                    cwd=args.cwd,
+                )
+            except LaunchError as error:
+                raise UsageError(str(error)) from None
+            run = launch(config, folder)
         self.shell.user_ns[args.out] = run
         if not run.ok:
             raise RunFailedInCell(run)

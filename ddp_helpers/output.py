@@ -4,9 +4,7 @@ output files into the notebook, line by line, each line prefixed by its rank."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-from .run_files import rank_file
+from .run_folder import RunFolder
 
 # matplotlib's tab10 colours, in order: rank r is drawn in RANK_COLORS[r % 10] in every plot.
 RANK_COLORS = (
@@ -43,9 +41,10 @@ class RankOutputStreamer:
     Call `poll()` repeatedly while the run is going and `finish()` once at the end (it prints any
     last line that has no newline)."""
 
-    def __init__(self, run_dir: Path, nproc: int, enabled: bool = True, color: bool = True):
+    def __init__(self, folder: RunFolder, nproc: int, enabled: bool = True, color: bool = True):
+        # "stack": the stack dump a rank writes when a timed-out run asks for it; shown as stderr.
         self._sources = [
-            (rank, kind, rank_file(run_dir, rank, kind)) for rank in range(nproc) for kind in ("stdout", "stderr")
+            (rank, kind, folder.rank_file(rank, kind)) for rank in range(nproc) for kind in ("stdout", "stderr", "stack")
         ]
         self._offsets = {key[:2]: 0 for key in self._sources}
         self._partial = {key[:2]: b"" for key in self._sources}

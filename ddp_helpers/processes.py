@@ -1,11 +1,14 @@
 """Making sure no process of a run outlives it.
 
 Three layers, because each covers a case the others miss:
-1. Parent-death signal (Linux prctl): torchrun dies with the launching process, each worker with
-   torchrun, even when the launcher is SIGKILLed (Jupyter kills a kernel that way).
-2. Stopping torchrun politely (SIGTERM to its process group, which it forwards to the workers),
-   then SIGKILL after a grace period.
-3. A sweep of /proc for the run's marker variable, which every process of the run inherits.
+1. Parent-death signal (Linux prctl): each worker dies with the torchrun agent (SIGKILL), and the
+   supervisor that runs the agent is told (SIGTERM) when the launching kernel dies, even by SIGKILL.
+   Right after arming it, a process checks that its parent is still the expected one: a parent that
+   died a moment earlier would never send the signal.
+2. Stopping the supervisor politely (SIGTERM; the agent stops the workers), then SIGKILL after a
+   bounded grace period.
+3. A sweep of /proc for the run's marker variable, which every process of the run inherits (a rank's
+   own children too): run by the supervisor as it ends, and by the launcher after it.
 """
 
 from __future__ import annotations
@@ -19,15 +22,26 @@ import time
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(expected_parent_pid: int | None = None) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies. If the parent is already gone
-    (it died before this call), exit now. Does nothing on systems without prctl."""
+ARMED, ARM_PARENT_DEATH_UNSUPPORTED, ARM_PARENT_DEATH_FAILED = "armed", "unsupported", "parent gone"
+
+
+def arm_parent_death_signal(sig: int, expected_parent_pid: int | None = None) -> str:
+    """Ask Linux to send `sig` to this process when its parent dies. Returns ARM_PARENT_DEATH_FAILED if
+    the parent is not (or no longer) `expected_parent_pid`: it died before the signal was armed."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return ARM_PARENT_DEATH_UNSUPPORTED
     except (OSError, AttributeError):
-        return
+        return ARM_PARENT_DEATH_UNSUPPORTED
     if expected_parent_pid is not None and os.getppid() != expected_parent_pid:
+        return ARM_PARENT_DEATH_FAILED
+    return ARMED
+
+
+def die_with_parent(expected_parent_pid: int | None = None) -> None:
+    """SIGKILL this process when its parent dies; exit now if the parent is already gone."""
+    if arm_parent_death_signal(signal.SIGKILL, expected_parent_pid) == ARM_PARENT_DEATH_FAILED:
         os._exit(1)
 
 
@@ -62,39 +76,37 @@ def kill_marked(run_id: str, marker_env: str, wait_s: float = 5.0) -> list[int]:
     return pids
 
 
-def _alive(pid: int) -> bool:
+def process_is_dead(pid: int) -> bool:
+    """True once `pid` has exited or been killed (a zombie is dead, only not yet reaped)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][:1] != "Z"  # a zombie is dead, only not yet reaped
+            return f.read().rsplit(") ", 1)[-1][:1] in ("Z", "X")
     except OSError:
-        return False
+        return True
 
 
-def stop_process_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """SIGTERM the process group led by `proc` (torchrun forwards it to its workers), then SIGKILL."""
+def _alive(pid: int) -> bool:
+    return not process_is_dead(pid)
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group led by `proc`, then SIGKILL it after `grace_s`; wait for `proc` to end.
+    A KeyboardInterrupt (stop pressed again) does not cut this short: it is re-raised at the end."""
+    interrupted = None
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         if proc.poll() is not None:
-            return
+            break
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _exec_with_parent_death() -> None:
-    """`python -m ddp_helpers.processes PARENT_PID COMMAND...`: arm the parent-death signal, then exec
-    COMMAND. The signal survives exec; doing it here rather than in a Popen preexec_fn keeps the
-    launcher safe to call from a process with threads (a Jupyter kernel has several)."""
-    import sys
-
-    parent_pid, command = int(sys.argv[1]), sys.argv[2:]
-    die_with_parent(parent_pid)
-    os.execv(command[0], command)
-
-
-if __name__ == "__main__":
-    _exec_with_parent_death()
+            break
+        deadline = time.monotonic() + wait
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+            except KeyboardInterrupt as again:
+                interrupted = again
+    if interrupted is not None:
+        raise interrupted

@@ -4,9 +4,13 @@ In a script (a `%%torchrun` cell):
 
     from ddp_helpers import record
     record("indices", list(sampler))          # JSON-able values are stored as JSON
+    record("loss", np.float32(0.25))           # numpy scalars become numbers, arrays lists
     record("grad", model.weight.grad)          # tensors (and structures holding them) via torch.save
 
 In the notebook: `run.ranks[1].facts["indices"]`.
+
+A value that cannot be stored fails here, in the rank, at the `record` call, naming the fact and
+what to pass instead: never later, when the notebook reads it back.
 
 Outside the launcher (plain `python script.py` or `torchrun script.py`) `record` does nothing and
 returns the value, so the same script runs anywhere.
@@ -20,9 +24,17 @@ import os
 import re
 import sys
 
-from .run_files import RUN_DIR_ENV, facts_dir, write_atomically
+from .run_folder import RunFolder, write_atomically
 
 _VALID_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_WHAT_TO_PASS = (
+    "numbers, strings, booleans, None, lists, tuples and dicts with string keys of those, numpy scalars and "
+    "arrays, or torch tensors (and lists/dicts of tensors)"
+)
+
+
+class RecordError(TypeError):
+    """A value `record` cannot store; raised in the rank at the `record` call."""
 
 
 def record(name: str, value):
@@ -30,62 +42,132 @@ def record(name: str, value):
 
     Args:
         name (str): letters, digits, '_', '.', '-'; recording a name again replaces the value.
-        value: a JSON-able value (numbers, strings, lists, dicts), a tensor, or a structure of
-            tensors (saved with torch.save, read back with weights_only=True).
+        value: a JSON-able value (numbers, strings, lists, dicts with string keys), numpy scalars and
+            arrays (read back as numbers and lists), a tensor, or a structure of tensors (saved with
+            torch.save, read back with weights_only=True, on the CPU).
 
     Returns:
         The value, unchanged, so `x = record("x", compute())` reads naturally.
+
+    Raises:
+        RecordError: the value cannot be stored; the message names the fact, the type, and what to pass.
     """
     if not isinstance(name, str) or not _VALID_NAME.match(name):
         raise ValueError(f"record name must be letters, digits, '_', '.', '-' (e.g. 'grad_norm'), got {name!r}")
-    run_dir = os.environ.get(RUN_DIR_ENV)
-    if not run_dir:
+    folder = RunFolder.from_environment()
+    if folder is None:
         return value
-    folder = facts_dir(run_dir, int(os.environ.get("RANK", "0")))
-    try:
-        payload, suffix = json.dumps(value).encode(), ".json"
-    except (TypeError, ValueError):
-        payload, suffix = _torch_bytes(value), ".pt"
-    stale = folder / f"{name}{'.pt' if suffix == '.json' else '.json'}"
+    payload, suffix = _encode(name, value)
+    if not folder.belongs_to_this_launch():
+        # An orphan of an earlier launch must not write into a later launch's results.
+        raise RuntimeError(f"record({name!r}): the run folder {folder.path} now belongs to another launch")
+    facts = folder.facts_dir(int(os.environ.get("RANK", "0")))
+    stale = facts / f"{name}{'.pt' if suffix == '.json' else '.json'}"
     stale.unlink(missing_ok=True)
-    write_atomically(folder / f"{name}{suffix}", payload)
+    write_atomically(facts / f"{name}{suffix}", payload)
     return value
 
 
-def _torch_bytes(value) -> bytes:
+def _encode(name: str, value) -> tuple[bytes, str]:
+    """(bytes, suffix) for `value`: JSON when it has no tensor in it, else torch.save bytes that are
+    checked to load back with weights_only=True."""
+    try:
+        plain = _plain(value)
+    except _HasTensor:
+        return _torch_bytes(name, value), ".pt"
+    except _Unstorable as bad:
+        if "torch" in sys.modules:  # torch.save also takes what JSON cannot: int keys (optimizer state)
+            return _torch_bytes(name, value), ".pt"
+        raise RecordError(_unstorable_message(name, value, bad.value)) from None
+    try:
+        return json.dumps(plain, allow_nan=True).encode(), ".json"
+    except (TypeError, ValueError) as error:
+        raise RecordError(f"record({name!r}, ...): {error}. Pass {_WHAT_TO_PASS}.") from None
+
+
+class _HasTensor(Exception):
+    pass
+
+
+class _Unstorable(Exception):
+    def __init__(self, value):
+        self.value = value
+
+
+def _plain(value, depth: int = 0):
+    """The JSON form of `value`; raises _HasTensor if a tensor is inside, _Unstorable for anything else."""
+    if depth > 100:
+        raise _Unstorable(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        if isinstance(value, numpy.generic):
+            if isinstance(value, (numpy.number, numpy.bool_)):
+                return value.item()
+            raise _Unstorable(value)
+        if isinstance(value, numpy.ndarray):
+            if value.dtype.kind not in "biuf":  # bool, int, unsigned, float
+                raise _Unstorable(value)
+            return value.tolist()
     torch = sys.modules.get("torch")
-    if torch is None:
-        raise TypeError(f"record can store JSON-able values or tensors; got {type(value).__name__}")
-    value = _to_cpu(value, torch)
+    if torch is not None and isinstance(value, torch.Tensor):
+        raise _HasTensor
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise _Unstorable(value)
+        return {k: _plain(v, depth + 1) for k, v in value.items()}
+    raise _Unstorable(value)
+
+
+def _unstorable_message(name: str, value, part) -> str:
+    where = "" if part is value else f" (it holds a {type(part).__module__}.{type(part).__qualname__})"
+    hint = ""
+    if isinstance(value, dict) or isinstance(part, dict):
+        hint = " Dict keys must be strings."
+    return (
+        f"record({name!r}, ...) cannot store a value of type {type(value).__module__}.{type(value).__qualname__}"
+        f"{where}.{hint} Pass {_WHAT_TO_PASS}; for other objects record what you need of them "
+        f"(e.g. str(x), a number, or a tensor)."
+    )
+
+
+def _torch_bytes(name: str, value) -> bytes:
+    torch = sys.modules["torch"]
+    try:
+        value = _for_torch_save(value, torch)
+    except _Unstorable as bad:
+        raise RecordError(_unstorable_message(name, value, bad.value)) from None
     buffer = io.BytesIO()
     torch.save(value, buffer)
-    return buffer.getvalue()
+    data = buffer.getvalue()
+    try:  # the notebook loads with weights_only=True: make sure that works now, in the rank
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any refusal means the notebook could not read it
+        raise RecordError(
+            f"record({name!r}, ...): this value would not load back safely ({type(error).__name__}). "
+            f"Pass {_WHAT_TO_PASS}."
+        ) from None
+    return data
 
 
-def _to_cpu(value, torch):
-    # GPU tensors are moved so the notebook (often without a GPU context) can load them.
+def _for_torch_save(value, torch):
+    """Tensors moved to the CPU (the notebook often has no GPU context); numpy made torch-native."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, dict):
-        return {k: _to_cpu(v, torch) for k, v in value.items()}
+        if not all(isinstance(k, (str, int)) for k in value):
+            raise _Unstorable(value)
+        return {k: _for_torch_save(v, torch) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v, torch) for v in value)
-    return value
-
-
-def read_facts(run_dir: str | os.PathLike, rank: int) -> dict:
-    """Everything rank `rank` recorded in a run, by name."""
-    facts = {}
-    folder = facts_dir(run_dir, rank)
-    if not folder.is_dir():
-        return facts
-    for path in sorted(folder.iterdir()):
-        if path.name.startswith("."):
-            continue  # a temporary file of an interrupted write
-        if path.suffix == ".json":
-            facts[path.stem] = json.loads(path.read_text())
-        elif path.suffix == ".pt":
-            import torch
-
-            facts[path.stem] = torch.load(path, map_location="cpu", weights_only=True)
-    return facts
+        return type(value)(_for_torch_save(v, torch) for v in value)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, (numpy.ndarray, numpy.generic)):
+        if value.dtype.kind not in "biuf":
+            raise _Unstorable(value)
+        return torch.from_numpy(numpy.array(value)) if isinstance(value, numpy.ndarray) else value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise _Unstorable(value)

@@ -32,12 +32,16 @@ class RankResult:
 
     Attributes:
         rank: the global rank.
-        exit_code: the code the rank's script ended with; for a rank stopped from outside (by torchrun
-            after another rank failed) minus the signal number, as torchrun reports it; None when
-            unknown (the launcher's timeout or interrupt stopped the run).
-        stdout, stderr: everything the rank printed, not interleaved with other ranks.
+        exit_code: the status the OS saw when the rank's process ended (as the torchrun agent observed
+            it): 0 ok, 1-255 the script's exit code, minus the signal number for a rank killed by a
+            signal; None when unknown (the launcher's timeout or interrupt stopped the run).
+        stdout, stderr: what the rank printed, not interleaved with other ranks (capped: the first and
+            last MiB of each, with a line saying how much was dropped).
         facts: the values it recorded with `ddp_helpers.record`, by name.
         error: the exception that ended it, if any.
+        ended_at: when it failed (its exception's time, or when it was seen to die), if it failed.
+        unreadable_facts: {name: why} for recorded values that could not be read back.
+        root_cause: this rank failed first; the others were stopped because of it.
     """
 
     rank: int
@@ -46,6 +50,9 @@ class RankResult:
     stderr: str
     facts: dict = field(default_factory=dict)
     error: RankError | None = None
+    ended_at: float | None = None
+    unreadable_facts: dict = field(default_factory=dict)
+    root_cause: bool = False
 
     @property
     def status(self) -> str:
@@ -54,8 +61,45 @@ class RankResult:
         if self.exit_code is None:
             return "stopped"
         if self.exit_code < 0:
-            return f"stopped ({_signal_name(-self.exit_code)})"
+            name = _signal_name(-self.exit_code)
+            if self.root_cause:
+                return f"killed by {name}" + _SIGNAL_HINTS.get(name, "")
+            return f"stopped ({name})"
         return f"failed (exit code {self.exit_code})"
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None or (self.exit_code is not None and self.exit_code != 0)
+
+
+# What a signal that killed a rank on its own usually means.
+_SIGNAL_HINTS = {
+    "SIGKILL": ": out of memory? (the kernel's OOM killer sends SIGKILL)",
+    "SIGSEGV": ": a crash in native code",
+    "SIGABRT": ": aborted in native code",
+    "SIGBUS": ": a crash in native code",
+}
+
+
+def find_root_cause(ranks) -> "RankResult | None":
+    """The rank that failed first: the earliest time a failed rank ended (its exception's time, or when
+    the supervisor saw it die); a rank with a Python error or a positive exit code wins a tie."""
+    failed = [r for r in ranks if r.failed]
+    if not failed:
+        return None
+    def ended_at(r: RankResult) -> float:
+        if r.ended_at is not None:
+            return r.ended_at
+        return r.error.time if r.error is not None else float("inf")
+
+    return min(
+        failed,
+        key=lambda r: (
+            ended_at(r),
+            0 if (r.error is not None or (r.exit_code or 0) > 0) else 1,
+            r.rank,
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -81,6 +125,7 @@ class RunResult:
     returncode: int | None
     timed_out: bool = False
     launcher_log: str = ""
+    run_id: str = ""
 
     @property
     def run_dir(self) -> Path:
@@ -92,16 +137,15 @@ class RunResult:
 
     @property
     def first_failure(self) -> RankResult | None:
-        """The rank whose exception came first: the root cause when one failure set off others."""
-        failed = [r for r in self.ranks if r.error is not None]
-        if failed:
-            return min(failed, key=lambda r: r.error.time)
-        nonzero = [r for r in self.ranks if r.exit_code is not None and r.exit_code > 0]
-        return nonzero[0] if nonzero else None
+        """The rank that failed first: the root cause when one failure set off others."""
+        return find_root_cause(self.ranks)
 
     def facts(self, name: str) -> list:
         """One recorded value from every rank, in rank order: `run.facts("indices")[1]`.
         Raises KeyError naming the ranks that did not record it."""
+        unreadable = {r.rank: r.unreadable_facts[name] for r in self.ranks if name in r.unreadable_facts}
+        if unreadable:
+            raise KeyError(f"{name!r} could not be read back on rank(s) {sorted(unreadable)}: {unreadable}")
         missing = [r.rank for r in self.ranks if name not in r.facts]
         if missing:
             raise KeyError(f"{name!r} was not recorded by rank(s) {missing}; check the record({name!r}, ...) call")
@@ -120,11 +164,13 @@ class RunResult:
             )
         root = self.first_failure
         if root is not None:
-            lines.append(f"Rank {root.rank} failed first" + (f": {root.error.type}: {root.error.message}" if root.error else f" with exit code {root.exit_code}"))
+            lines.append(f"Rank {root.rank} failed first: {_failure_reason(root)}")
             if root.error:
                 lines.append(root.error.traceback.rstrip())
         for r in self.ranks:
             lines.append(f"  rank {r.rank}: {r.status}")
+            for name, why in r.unreadable_facts.items():
+                lines.append(f"    recorded {name!r} could not be read back: {why}")
         if not self.ok and root is None and not self.timed_out and self.launcher_log:
             lines.append("torchrun said:\n" + "\n".join(self.launcher_log.strip().splitlines()[-15:]))
         return "\n".join(lines)
@@ -133,6 +179,12 @@ class RunResult:
         if not self.ok:
             raise RunFailed(self)
         return self
+
+
+def _failure_reason(rank: RankResult) -> str:
+    if rank.error is not None:
+        return f"{rank.error.type}: {rank.error.message}"
+    return rank.status
 
 
 class RunFailed(RuntimeError):
@@ -144,7 +196,7 @@ class RunFailed(RuntimeError):
         if run.timed_out:
             reason = f"timed out after {run.config.timeout_s:.0f} s"
         elif root is not None:
-            reason = f"rank {root.rank} failed first" + (f" ({root.error.type}: {root.error.message})" if root.error else "")
+            reason = f"rank {root.rank} failed first ({_failure_reason(root)})"
         else:
             reason = f"torchrun exited with {run.returncode}"
         super().__init__(f"The run of {run.config.script.name} on {len(run.ranks)} rank(s) {reason}. Details above.")

@@ -114,7 +114,9 @@ def partition_explorer(run=None, dataset_size: int = 12, epochs: int = 3, max_wo
         rerun.disabled = True
         status.value = f"running step 7 on {world.value} rank(s) ..."
         try:
-            latest = launch(make_launch_config(run.config.script, nproc=world.value, stream=False,
+            # CPU ranks (gloo) whatever the machine: the partition does not depend on the backend, and a
+            # GPU box may have fewer GPUs than the ranks asked for on the slider.
+            latest = launch(make_launch_config(run.config.script, nproc=world.value, backend="gloo", stream=False,
                                                run_dir=run.config.run_dir.with_name(run.config.run_dir.name + "_explorer")))
         except LaunchError as error:
             status.value = f"<span style='color:#d62728'>{error}</span>"

@@ -20,7 +20,8 @@ if [ "$(cat "$stamp_file" 2>/dev/null)" != "$wanted_stamp" ]; then
     "$venv/bin/python" -m pip install --quiet -e "$project_root[test]" >&2
     echo "$wanted_stamp" > "$stamp_file"
 fi
-# JupyterLab settings the project ships (no news or update pop-ups): defaults for this environment.
+# JupyterLab settings the project ships: pip installs them with the package; refreshed here when
+# jupyter/overrides.json changed since (an editable install copies them only once).
 lab_settings="$venv/share/jupyter/lab/settings"
 if ! cmp -s "$project_root/jupyter/overrides.json" "$lab_settings/overrides.json"; then
     mkdir -p "$lab_settings"

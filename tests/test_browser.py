@@ -69,10 +69,16 @@ class JupyterLab:
         self.marker = uuid.uuid4().hex
         self.port = free_port()
         settings = scratch / "user-settings"
-        # The test's own settings: every cell stays in the page (no virtual scrolling) so all can be checked.
-        tracker = settings / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
-        tracker.parent.mkdir(parents=True)
-        tracker.write_text(json.dumps({"windowingMode": "none"}))
+        # The test's own complete settings, whatever the environment ships: every cell stays in the page (no
+        # virtual scrolling) so all can be checked; the kernel starts without a "Select Kernel" dialog; no
+        # news or update pop-up.
+        for path, values in {
+            "notebook-extension/tracker": {"windowingMode": "none", "autoStartDefaultKernel": True},
+            "apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+        }.items():
+            file = settings / "@jupyterlab" / f"{path}.jupyterlab-settings"
+            file.parent.mkdir(parents=True, exist_ok=True)
+            file.write_text(json.dumps(values))
         env = {
             **os.environ,
             "JUPYTER_CONFIG_DIR": str(scratch / "config"),

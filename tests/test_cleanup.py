@@ -1,10 +1,14 @@
-"""Stopping the launching process mid-run leaves no worker and no listening port behind.
+"""Stopping the launching process mid-run leaves no process and no listening port behind, within the
+bound the README states (launcher.STOP_BOUND_S).
 
 The launcher runs in a child Python process, as it does in a Jupyter kernel: SIGINT is what the
-notebook's stop button sends; SIGKILL is how Jupyter ends a kernel that is restarted or shut down.
+notebook's stop button sends (pressed once, or twice in a second); SIGKILL is how Jupyter ends a
+kernel that is restarted or shut down. The ranks make it hard: each has children of its own (a
+subprocess and a forked process, as DataLoader workers are), and rank 1 ignores SIGTERM.
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,6 +18,8 @@ import uuid
 
 import pytest
 
+from ddp_helpers.launcher import STOP_BOUND_S
+from ddp_helpers.processes import process_is_dead
 from support import listening_ports, processes_left
 
 LAUNCHING_PROCESS = textwrap.dedent(
@@ -21,8 +27,9 @@ LAUNCHING_PROCESS = textwrap.dedent(
     import sys
     from ddp_helpers import launch, make_launch_config
     from ddp_helpers.config import Hardware
-    config = make_launch_config(sys.argv[1], nproc=2, backend="gloo", hardware=Hardware(()),
-                                extra_env={"TEST_MARK": sys.argv[2]})
+    script, marker, run_dir, nproc = sys.argv[1:5]
+    config = make_launch_config(script, nproc=int(nproc), backend="gloo", hardware=Hardware(()),
+                                run_dir=run_dir, extra_env={"TEST_MARK": marker}, stream=False)
     try:
         launch(config)
     except KeyboardInterrupt:
@@ -31,13 +38,19 @@ LAUNCHING_PROCESS = textwrap.dedent(
     """
 )
 
-SLOW_WORKER = textwrap.dedent(
+STUBBORN_WORKER = textwrap.dedent(
     """
-    import os, time
+    import multiprocessing, os, signal, subprocess, time
     import torch.distributed as dist
     from ddp_helpers import record
+    if os.environ["RANK"] == "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a rank that will not stop when asked
     dist.init_process_group("gloo")
+    sleeper = subprocess.Popen(["sleep", "300"])
+    forked = multiprocessing.get_context("fork").Process(target=time.sleep, args=(300,))
+    forked.start()
     dist.barrier()
+    record("children", [sleeper.pid, forked.pid])
     record("store_port", int(os.environ["MASTER_PORT"]))
     time.sleep(300)
     """
@@ -50,32 +63,88 @@ def wait_until(condition, timeout_s: float, what: str):
         value = condition()
         if value:
             return value
-        time.sleep(0.1)
+        time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout_s} s waiting until {what}")
 
 
-@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["KeyboardInterrupt", "SIGKILL"])
-def test_stopping_the_launcher_leaves_nothing_behind(tmp_path, how):
+def start_launcher(tmp_path, script_source: str, nproc: int):
     marker = uuid.uuid4().hex
-    worker = tmp_path / "slow.py"
-    worker.write_text(SLOW_WORKER)
+    worker = tmp_path / "worker.py"
+    worker.write_text(script_source)
+    run_dir = tmp_path / "run"
     launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHING_PROCESS, str(worker), marker],
+        [sys.executable, "-c", LAUNCHING_PROCESS, str(worker), marker, str(run_dir), str(nproc)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    try:
-        port_file = tmp_path / "slow" / "facts" / "rank1" / "store_port.json"
-        wait_until(port_file.exists, 60, "both ranks joined the group")
-        port = json.loads(port_file.read_text())
-        assert port in listening_ports(), "the rendezvous store should listen while the run is up"
-        assert len(processes_left("TEST_MARK", marker)) >= 3  # torchrun and two workers
+    return launcher, marker, run_dir
 
-        launcher.send_signal(how)
+
+@pytest.mark.parametrize(
+    "signals",
+    [[signal.SIGINT], [signal.SIGINT, signal.SIGINT], [signal.SIGKILL]],
+    ids=["stop button", "stop button twice", "kernel killed"],
+)
+def test_stopping_the_launcher_leaves_nothing_behind(tmp_path, signals):
+    launcher, marker, run_dir = start_launcher(tmp_path, STUBBORN_WORKER, nproc=2)
+    try:
+        facts = run_dir / "facts"
+        wait_until(lambda: all((facts / f"rank{r}" / "store_port.json").exists() for r in (0, 1)), 60,
+                   "both ranks joined the group and started their children")
+        port = json.loads((facts / "rank1" / "store_port.json").read_text())
+        children = [pid for r in (0, 1) for pid in json.loads((facts / f"rank{r}" / "children.json").read_text())]
+        assert port in listening_ports(), "the rendezvous store should listen while the run is up"
+        assert len(processes_left("TEST_MARK", marker)) >= 7  # supervisor, 2 ranks, 4 children
+
+        stopped_at = time.monotonic()
+        for how in signals:
+            launcher.send_signal(how)
+            time.sleep(0.3)
+        wait_until(lambda: not processes_left("TEST_MARK", marker), STOP_BOUND_S,
+                   f"every process of the run is gone (left: {processes_left('TEST_MARK', marker)})")
+        assert all(process_is_dead(pid) for pid in children)
+        wait_until(lambda: port not in listening_ports(), STOP_BOUND_S - (time.monotonic() - stopped_at),
+                   f"port {port} is closed")
         output, _ = launcher.communicate(timeout=30)
-        if how == signal.SIGINT:
+        if signals[0] == signal.SIGINT:
             assert "launcher saw KeyboardInterrupt" in output
-        wait_until(lambda: not processes_left("TEST_MARK", marker), 10, "every process of the run is gone")
-        wait_until(lambda: port not in listening_ports(), 10, f"port {port} is closed")
+            assert launcher.returncode == 130, output
     finally:
         launcher.kill()
         launcher.wait()
+
+
+STARTING_WORKER = textwrap.dedent(
+    """
+    import time
+    time.sleep(300)
+    """
+)
+
+
+def test_a_kernel_killed_while_ranks_start_leaves_no_rank(tmp_path):
+    """Killed the moment the first rank process exists: ranks still starting must not be orphaned."""
+    for attempt in range(3):
+        scratch = tmp_path / f"try{attempt}"
+        scratch.mkdir()
+        launcher, marker, _ = start_launcher(scratch, STARTING_WORKER, nproc=4)
+
+        def a_rank_started():
+            return [pid for pid in processes_left("TEST_MARK", marker)
+                    if b"ddp_helpers._bootstrap" in _cmdline(pid) and b"ddp_helpers.supervisor" not in _cmdline(pid)]
+
+        try:
+            wait_until(a_rank_started, 60, "a rank process exists")
+            launcher.kill()
+            wait_until(lambda: not processes_left("TEST_MARK", marker), STOP_BOUND_S,
+                       f"attempt {attempt}: every process of the run is gone")
+        finally:
+            launcher.kill()
+            launcher.wait()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

@@ -72,3 +72,36 @@ def test_config_is_frozen_including_its_environment(script):
         config.nproc = 8
     with pytest.raises(TypeError):
         config.extra_env["A"] = "2"
+
+
+@pytest.mark.parametrize("timeout", ["10", True, float("nan"), float("inf")])
+def test_timeout_must_be_a_number_of_seconds(script, timeout):
+    with pytest.raises(LaunchError, match="timeout must be"):
+        make_launch_config(script, timeout_s=timeout, hardware=NO_GPU)
+
+
+def test_more_cpu_ranks_than_the_machine_can_run_are_refused(script):
+    with pytest.raises(LaunchError, match=r"nproc 100000 is more processes than this machine can run"):
+        make_launch_config(script, nproc=100000, hardware=NO_GPU)
+
+
+@pytest.mark.parametrize(
+    "extra_env, message",
+    [
+        ({"SEED": 3}, r"extra_env\['SEED'\] must be a string, got int 3: write it as '3'"),
+        ({"A B": "1"}, r"not an environment variable name"),
+        ({"DDP_HELPERS_RUN_ID": "x"}, r"may not set DDP_HELPERS_RUN_ID"),
+        ({"MASTER_PORT": "29500"}, r"may not set MASTER_PORT"),
+        ({"TORCHELASTIC_RUN_ID": "x"}, r"may not set TORCHELASTIC_RUN_ID"),
+        (["A=1"], r"extra_env must be a dict"),
+    ],
+)
+def test_bad_extra_env_is_refused_naming_the_entry(script, extra_env, message):
+    with pytest.raises(LaunchError, match=message):
+        make_launch_config(script, extra_env=extra_env, hardware=NO_GPU)
+
+
+def test_a_cwd_that_is_not_a_folder_is_refused(script, tmp_path):
+    with pytest.raises(LaunchError, match="is not a folder"):
+        make_launch_config(script, cwd=tmp_path / "nowhere", hardware=NO_GPU)
+    assert make_launch_config(script, cwd=tmp_path, hardware=NO_GPU).working_dir == tmp_path.resolve()

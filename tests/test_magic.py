@@ -6,7 +6,15 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.testing.globalipapp import start_ipython
 
+from ddp_helpers.config import detect_hardware
 from ddp_helpers.result import RunFailed
+
+GPUS = detect_hardware().gpu_count
+# Asking nccl for more ranks than GPUs: without GPUs any nccl launch; with k GPUs, k + 1 ranks.
+NCCL_TOO_MANY = (
+    ("--backend nccl", r"needs CUDA GPUs.*--backend gloo") if GPUS == 0
+    else (f"--backend nccl -n {GPUS + 1}", rf"{GPUS + 1} ranks asked for but only {GPUS} GPU.*--backend gloo")
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +44,7 @@ def test_help_lists_the_options_and_launches_nothing(ipython, capsys, tmp_path):
         ("-n abc", r"nproc must be a whole number .*got 'abc'"),
         ("-n 0", r"nproc must be 1 or more"),
         ("-n -1", r"nproc must be 1 or more"),
-        ("--backend nccl", r"needs CUDA GPUs.*--backend gloo"),
+        NCCL_TOO_MANY,
         ("--name ../escape", r"--name must be letters"),
         ("--out 1x", r"--out must be a Python variable name"),
     ],

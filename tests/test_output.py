@@ -1,11 +1,15 @@
 """Streaming each rank's output files into the notebook, line by line, with a rank prefix."""
 
 from ddp_helpers.output import RankOutputStreamer
-from ddp_helpers.run_files import rank_file
+from ddp_helpers.run_folder import RunFolder
+
+
+def rank_file(path, rank, kind):
+    return RunFolder(path).rank_file(rank, kind)
 
 
 def test_complete_lines_stream_with_prefixes_and_partial_lines_wait(tmp_path, capsys):
-    streamer = RankOutputStreamer(tmp_path, nproc=2, color=False)
+    streamer = RankOutputStreamer(RunFolder(tmp_path), nproc=2, color=False)
     rank_file(tmp_path, 0, "stdout").write_bytes(b"first\n\nsecond without newline")
     rank_file(tmp_path, 1, "stderr").write_bytes(b"warning\n")
     streamer.poll()
@@ -19,7 +23,7 @@ def test_complete_lines_stream_with_prefixes_and_partial_lines_wait(tmp_path, ca
 
 
 def test_progress_bar_redraws_become_lines_and_finish_flushes_the_rest(tmp_path, capsys):
-    streamer = RankOutputStreamer(tmp_path, nproc=1, color=False)
+    streamer = RankOutputStreamer(RunFolder(tmp_path), nproc=1, color=False)
     rank_file(tmp_path, 0, "stderr").write_bytes(b"\r 10%\r 50%\r100%\nlast words")
     streamer.finish()
     assert capsys.readouterr().err == "[rank 0]  10%\n[rank 0]  50%\n[rank 0] 100%\n[rank 0] last words\n"
@@ -27,5 +31,19 @@ def test_progress_bar_redraws_become_lines_and_finish_flushes_the_rest(tmp_path,
 
 def test_disabled_streaming_prints_nothing(tmp_path, capsys):
     rank_file(tmp_path, 0, "stdout").write_bytes(b"quiet\n")
-    RankOutputStreamer(tmp_path, nproc=1, enabled=False).finish()
+    RankOutputStreamer(RunFolder(tmp_path), nproc=1, enabled=False).finish()
     assert capsys.readouterr().out == ""
+
+
+def test_capped_output_keeps_the_first_and_last_bytes_and_says_how_much_was_dropped(tmp_path):
+    from ddp_helpers.supervisor import CappedOutput
+
+    capped = CappedOutput(tmp_path / "out", keep=20)
+    for i in range(100):
+        capped.write(f"line {i:02d}\n".encode())
+    capped.close()
+    text = (tmp_path / "out").read_text()
+    assert text.startswith("line 00\nline 01\nline")
+    assert text.endswith("line 98\nline 99\n")
+    dropped = 800 - len("line 00\nline 01\nline") - len("line 98\nline 99\n")
+    assert f"{dropped:,} bytes of output dropped here" in text

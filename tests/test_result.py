@@ -3,31 +3,7 @@
 from pathlib import Path
 
 from ddp_helpers.config import LaunchConfig
-from ddp_helpers.launcher import exit_codes_from_torchrun_log
 from ddp_helpers.result import RankError, RankResult, RunFailed, RunResult
-
-TORCHRUN_SUMMARY = """
-Failures:
-[1]:
-  time      : 2026-11-29_22:02:32
-  host      : localhost
-  rank      : 1 (local_rank: 1)
-  exitcode  : -15 (pid: 21740)
-  error_file: <N/A>
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-29_22:02:32
-  host      : localhost
-  rank      : 0 (local_rank: 0)
-  exitcode  : 1 (pid: 21739)
-"""
-
-
-def test_exit_codes_are_read_from_torchruns_summary():
-    assert exit_codes_from_torchrun_log(TORCHRUN_SUMMARY) == {0: 1, 1: -15}
-    assert exit_codes_from_torchrun_log("") == {}
-
 
 def make_run(ranks, timed_out=False, returncode=1):
     config = LaunchConfig(Path("/tmp/x.py"), len(ranks), "gloo", 60.0, Path("/tmp/x"))

@@ -1,0 +1,107 @@
+"""Reading a finished launch back from its run folder into a `RunResult`.
+
+Nothing here raises: a file that is missing, unreadable, or written by another launch is left out,
+and a recorded fact that cannot be loaded is reported on its rank (`RankResult.unreadable_facts`)
+while every other fact and rank is returned.
+
+Exit codes come from `outcome.json`, written by the supervisor from what the torchrun agent itself
+observed (its per-rank failures, negative for a signal), not from torchrun's printed summary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from .config import LaunchConfig
+from .result import RankError, RankResult, RunResult, find_root_cause
+from .run_folder import RunFolder
+
+
+def read_facts(folder: RunFolder, rank: int) -> tuple[dict, dict]:
+    """(facts by name, {name: why it could not be read}) for one rank."""
+    facts, unreadable = {}, {}
+    directory = folder.facts_dir(rank)
+    if not directory.is_dir():
+        return facts, unreadable
+    for path in sorted(directory.iterdir()):
+        if path.name.startswith(".") or path.suffix not in (".json", ".pt"):
+            continue  # a temporary file of an interrupted write
+        try:
+            facts[path.stem] = _load_fact(path)
+        except Exception as error:  # noqa: BLE001 - one bad fact must not lose the run
+            unreadable[path.stem] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return facts, unreadable
+
+
+def _load_fact(path: Path):
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _stderr_with_stack(folder: RunFolder, rank: int) -> str:
+    stderr = folder.read_text(folder.rank_file(rank, "stderr"))
+    stack = folder.read_text(folder.rank_file(rank, "stack"))
+    if stack:
+        stderr += f"[ddp_helpers] where rank {rank} was when the run timed out:\n{stack}"
+    return stderr
+
+
+def collect_result(
+    config: LaunchConfig,
+    folder: RunFolder,
+    *,
+    returncode: int | None,
+    wall_time_s: float,
+    timed_out: bool,
+    stopped: bool,
+) -> RunResult:
+    """The RunResult of the launch that just ended in `folder`."""
+    outcome = folder.read_own_json(folder.path / "outcome.json") or {}
+    finished = outcome.get("succeeded") is True
+    failures = {int(rank): seen for rank, seen in (outcome.get("failures") or {}).items()}
+    died_at = {int(rank): t for rank, t in (outcome.get("died_at") or {}).items()}
+    ranks = []
+    for rank in range(config.nproc):
+        error = folder.read_own_json(folder.rank_file(rank, "error.json"))
+        seen = failures.get(rank)
+        if finished:
+            exit_code = 0
+        elif seen is not None:
+            exit_code = seen.get("exit_code")
+        elif outcome and not timed_out and not stopped:
+            exit_code = 0  # the agent listed every rank that failed; this one was not among them
+        else:
+            exit_code = None
+        facts, unreadable = read_facts(folder, rank)
+        ranks.append(
+            RankResult(
+                rank=rank,
+                exit_code=exit_code,
+                stdout=folder.read_text(folder.rank_file(rank, "stdout")),
+                stderr=_stderr_with_stack(folder, rank),
+                facts=facts,
+                error=RankError(error["type"], error["message"], error["traceback"], error["time"]) if error else None,
+                ended_at=error["time"] if error else died_at.get(rank),
+                unreadable_facts=unreadable,
+            )
+        )
+    root = find_root_cause(ranks)
+    if root is not None:
+        ranks[root.rank] = replace(root, root_cause=True)
+    devices = tuple(f"cuda:{r}" if config.backend == "nccl" else "cpu" for r in range(config.nproc))
+    return RunResult(
+        config=config,
+        ranks=tuple(ranks),
+        wall_time_s=wall_time_s,
+        backend=config.backend,
+        devices=devices,
+        returncode=returncode,
+        timed_out=timed_out,
+        launcher_log=folder.read_text(folder.path / "torchrun.log"),
+        run_id=folder.run_id or "",
+    )

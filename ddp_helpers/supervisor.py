@@ -1,0 +1,230 @@
+"""The process between the notebook's kernel and the ranks:
+
+    python -m ddp_helpers.supervisor PARENT_PID SHUTDOWN_GRACE_S -- TORCHRUN_ARGS...
+
+It runs the torchrun agent in this very process (so the agent's own per-rank failures, exit codes
+included, are read as objects, not parsed from its printed summary), and around it:
+- caps each rank's output: ranks write into named pipes, a thread keeps the first and last
+  `OUTPUT_KEEP_BYTES` of each stream in `rankN.stdout|stderr` (a rank printing forever costs neither
+  memory nor disk);
+- watches when each rank dies (so the rank that failed first is known even when a signal killed it);
+- however the launch ends (success, a failed rank, SIGTERM from the launcher, the kernel's death),
+  stops every process of the run before it exits: the agent stops the workers (SIGTERM, then SIGKILL
+  after SHUTDOWN_GRACE_S), then every process still carrying the run's marker is killed (a rank's own
+  children: DataLoader workers, subprocesses); then it writes `outcome.json`.
+
+It outlives the kernel on purpose: when the kernel dies (even by SIGKILL) it gets SIGTERM (the
+parent-death signal) and cleans up. It lives in its own session, so the notebook's stop button
+(SIGINT to the kernel's process group) reaches only the kernel, which then stops the run through it.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from .processes import ARM_PARENT_DEATH_FAILED, arm_parent_death_signal, kill_marked, process_is_dead
+from .run_folder import AGENT_PID_ENV, OUTPUT_KEEP_BYTES, RUN_ID_ENV, RunFolder
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class _Stopped(BaseException):
+    """SIGTERM/SIGINT/SIGHUP before or after the agent's own handlers were in place."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+
+
+def _raise_stopped(signum, frame):
+    raise _Stopped(signum)
+
+
+class CappedOutput:
+    """One rank's stream in a file: the first `keep` bytes as they come, the last `keep` at the end."""
+
+    def __init__(self, path, keep: int = OUTPUT_KEEP_BYTES):
+        self.file = open(path, "ab")
+        self.keep = keep
+        self.head_left = keep
+        self.tail = bytearray()
+        self.dropped = 0
+
+    def write(self, data: bytes) -> None:
+        if self.head_left > 0:
+            head = data[: self.head_left]
+            self.file.write(head)
+            self.file.flush()
+            self.head_left -= len(head)
+            data = data[len(head):]
+        if data:
+            self.tail += data
+            excess = len(self.tail) - self.keep
+            if excess > 0:
+                del self.tail[:excess]
+                self.dropped += excess
+
+    def close(self) -> None:
+        if self.dropped:
+            cut = self.tail.find(b"\n") + 1  # start the kept end at a line boundary
+            self.dropped += cut
+            del self.tail[:cut]
+            self.file.write(
+                f"\n[ddp_helpers] ... {self.dropped:,} bytes of output dropped here (kept: the first and the "
+                f"last {self.keep // 1024:,} KiB) ...\n".encode()
+            )
+        self.file.write(self.tail)
+        self.file.close()
+
+
+class OutputPipes:
+    """Named pipes the ranks write into, drained by one thread into capped files."""
+
+    def __init__(self, folder: RunFolder, nproc: int):
+        (folder.path / "pipes").mkdir(exist_ok=True)
+        self._selector = selectors.DefaultSelector()
+        self._keepers: list[int] = []
+        self._outputs: dict[int, CappedOutput] = {}
+        for rank in range(nproc):
+            for kind in ("stdout", "stderr"):
+                fifo = folder.fifo(rank, kind)
+                os.mkfifo(fifo, 0o600)
+                read_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+                # Held open for writing here too: the pipe never reads as ended before a rank opens it.
+                self._keepers.append(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                self._outputs[read_fd] = CappedOutput(folder.rank_file(rank, kind))
+                self._selector.register(read_fd, selectors.EVENT_READ)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drain, name="ddp_helpers-output", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(timeout=0.05):
+                self._read(key.fd)
+        for fd in self._outputs:  # what is left after the ranks ended
+            while self._read(fd):
+                pass
+
+    def _read(self, fd: int) -> bool:
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return False
+        if data:
+            self._outputs[fd].write(data)
+        return bool(data)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for fd, output in self._outputs.items():
+            output.close()
+            os.close(fd)
+        for fd in self._keepers:
+            os.close(fd)
+
+
+class DeathWatcher:
+    """Notes the time each rank's process is first seen dead (exited or killed), every 20 ms."""
+
+    def __init__(self, folder: RunFolder, nproc: int):
+        self._folder = folder
+        self._nproc = nproc
+        self.died_at: dict[int, float] = {}
+        self._pids: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ddp_helpers-deaths", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.02):
+            self.look()
+
+    def look(self) -> None:
+        now = time.time()
+        for rank in range(self._nproc):
+            if rank in self.died_at:
+                continue
+            pid = self._pids.get(rank) or self._folder.rank_pid(rank)
+            if pid is None:
+                continue
+            self._pids[rank] = pid
+            if process_is_dead(pid):
+                self.died_at[rank] = now
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.look()
+
+
+def _run_torchrun(argv: list[str]) -> dict:
+    """Run the torchrun agent here; return what it observed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+        return {"succeeded": True}
+    except ChildFailedError as failed:
+        return {
+            "succeeded": False,
+            "failures": {int(rank): {"exit_code": int(f.exitcode)} for rank, f in failed.failures.items()},
+        }
+    except SignalException as stopped:
+        return {"succeeded": False, "stopped_by": signal.Signals(stopped.sigval).name}
+
+
+def main(argv: list[str]) -> int:
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, _raise_stopped)
+    parent_pid, grace_s, separator, *torchrun_argv = argv
+    assert separator == "--", "usage: python -m ddp_helpers.supervisor PARENT_PID GRACE_S -- TORCHRUN_ARGS..."
+    # The kernel's death reaches us as SIGTERM: we stop the run, then exit.
+    if arm_parent_death_signal(signal.SIGTERM, int(parent_pid)) == ARM_PARENT_DEATH_FAILED:
+        return 1  # the kernel died before we were ready: nothing was started
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(float(grace_s)))
+    folder = RunFolder.from_environment()
+    nproc = int(torchrun_argv[torchrun_argv.index("--nproc-per-node") + 1])
+    outcome: dict = {"succeeded": False}
+    pipes = watcher = None
+    try:
+        pipes = OutputPipes(folder, nproc)
+        watcher = DeathWatcher(folder, nproc)
+        outcome = _run_torchrun(torchrun_argv)
+    except _Stopped as stopped:
+        outcome = {"succeeded": False, "stopped_by": str(stopped)}
+    except BaseException as error:  # noqa: BLE001 - the agent itself failed: say so, still clean up
+        traceback.print_exc()
+        outcome = {"succeeded": False, "agent_error": f"{type(error).__name__}: {error}"}
+    finally:
+        for signum in _STOP_SIGNALS:  # cleanup is not to be interrupted; the launcher's last resort is SIGKILL
+            signal.signal(signum, signal.SIG_IGN)
+        kill_marked(os.environ[RUN_ID_ENV], RUN_ID_ENV)
+        if watcher is not None:
+            watcher.stop()
+            outcome["died_at"] = watcher.died_at
+        if pipes is not None:
+            pipes.close()
+        shutil.rmtree(folder.path / "pipes", ignore_errors=True)
+        shutil.rmtree(folder.path / "torchelastic", ignore_errors=True)
+        for stack in folder.path.glob("rank*.stack"):
+            if stack.stat().st_size == 0:
+                stack.unlink()  # asked for no stack: no empty file to puzzle over
+        folder.write_json(folder.path / "outcome.json", outcome)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return 0 if outcome.get("succeeded") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

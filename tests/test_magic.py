@@ -1,5 +1,6 @@
 """The %%torchrun magic in a real IPython shell: options, bad input, and results left in variables."""
 
+import os
 import re
 
 import pytest
@@ -68,12 +69,13 @@ def test_cells_run_on_every_rank_and_failures_fail_the_cell(ipython, tmp_path):
     """One successful and one failing cell, sharing a shell: the script file, --out, and the failure."""
     ok = run_cell(
         ipython,
-        "-n 2 --backend gloo --name greet --out greeting",
-        "import os\nfrom ddp_helpers import record\nrecord('rank', int(os.environ['RANK']))\n",
+        "-n 2 --backend gloo --name greet --out greeting --cwd .",
+        "import os\nfrom ddp_helpers import record\nrecord('rank', int(os.environ['RANK']))\nrecord('cwd', os.getcwd())\n",
     )
     assert ok.success, ok.error_in_exec
     greeting = ipython.user_ns["greeting"]
     assert greeting.facts("rank") == [0, 1]
+    assert greeting.facts("cwd") == [os.getcwd()] * 2  # --cwd . : the notebook's (kernel's) folder
     script = tmp_path / "runs" / "notebook" / "greet.py"
     assert script.read_text().startswith("# Generated from notebook.ipynb, %%torchrun cell 'greet'")
 

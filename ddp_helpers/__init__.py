@@ -3,7 +3,7 @@
 Public API (see README.md):
     make_launch_config, launch, run_script   launch a script; get a RunResult
     RunResult, RankResult, RunFailed, LaunchError
-    record                                   script side: save a value for the notebook
+    record, RecordError                      script side: save a value for the notebook
     %load_ext ddp_helpers                    the %%torchrun cell magic
 
 This module stays light: ranks import it to call `record`, so nothing heavy (torch, IPython,
@@ -12,9 +12,10 @@ matplotlib) is imported here.
 
 from __future__ import annotations
 
-from .config import LaunchConfig, LaunchError, make_launch_config
+from .config import LaunchConfig, make_launch_config
+from .errors import LaunchError
 from .launcher import launch
-from .recording import record
+from .recording import RecordError, record
 from .result import RankResult, RunFailed, RunResult
 
 
@@ -37,5 +38,5 @@ def load_ipython_extension(ipython) -> None:
 
 __all__ = [
     "LaunchConfig", "LaunchError", "make_launch_config", "launch", "run_script",
-    "RunResult", "RankResult", "RunFailed", "record", "load_ipython_extension",
+    "RunResult", "RankResult", "RunFailed", "record", "RecordError", "load_ipython_extension",
 ]

@@ -129,7 +129,7 @@ def _launch_in(config: LaunchConfig, folder: RunFolder) -> RunResult:
     color = sys.stdout.isatty() or "ipykernel" in sys.modules
     streamer = RankOutputStreamer(folder, config.nproc, enabled=config.stream, color=color)
     start = time.monotonic()
-    timed_out = stopped = False
+    timed_out = False
     with open(folder.path / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(
             supervisor_command(config),
@@ -149,14 +149,11 @@ def _launch_in(config: LaunchConfig, folder: RunFolder) -> RunResult:
                     _dump_stacks_of_live_ranks(config, folder, streamer)
                     break
                 time.sleep(_POLL_INTERVAL_S)
-        except BaseException:  # KeyboardInterrupt (stop button) or any error here: stop, then re-raise
-            stopped = True
-            raise
-        finally:  # normal end, timeout, interrupt: nothing of the run survives
+        finally:  # normal end, timeout, KeyboardInterrupt (stop button) or any error: nothing of the run survives
             _stop_run(proc, run_id, streamer)
     return collect_result(
         config, folder, returncode=proc.returncode, wall_time_s=time.monotonic() - start,
-        timed_out=timed_out, stopped=stopped,
+        timed_out=timed_out,
     )
 
 

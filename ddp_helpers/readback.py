@@ -58,7 +58,6 @@ def collect_result(
     returncode: int | None,
     wall_time_s: float,
     timed_out: bool,
-    stopped: bool,
 ) -> RunResult:
     """The RunResult of the launch that just ended in `folder`."""
     outcome = folder.read_own_json(folder.path / "outcome.json") or {}
@@ -73,7 +72,7 @@ def collect_result(
             exit_code = 0
         elif seen is not None:
             exit_code = seen.get("exit_code")
-        elif outcome and not timed_out and not stopped:
+        elif "failures" in outcome:
             exit_code = 0  # the agent listed every rank that failed; this one was not among them
         else:
             exit_code = None

@@ -6,6 +6,8 @@ Every rank runs the user's script through this tiny wrapper, which
 - sends the rank's stdout/stderr into the run folder (through the supervisor's capped pipes);
 - dumps every thread's stack on SIGUSR1 into `rankN.stack` (the launcher asks on timeout);
 - records the exception that ended the rank, with its time, so the launcher can name the first failure;
+- notes every file the script opens for writing or renames into place (a Python audit hook), so a
+  checker can see who wrote a file instead of trusting what the script says about itself;
 - ends the script as the interpreter would (non-daemon threads joined, atexit handlers run, every
   open file flushed), then ends the process with os._exit: a DDP process can otherwise abort in the
   interpreter's final teardown ("terminate called without an active exception", SIGABRT) after all
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import functools
 import gc
+import importlib.util
 import io
 import os
 import runpy
@@ -77,6 +81,69 @@ def _warn_if_process_group_left_open(rank: int) -> None:
         )
 
 
+class WriteObserver:
+    """Notes the files a rank writes (Python audit events "open" for writing, "os.rename"/"os.replace"),
+    leaving out the run folder's own bookkeeping (rankN.* files, facts/, hidden temporary files)."""
+
+    _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+    def __init__(self, folder: RunFolder):
+        self.own = str(folder.path)
+        self.paths: set[str] = set()
+
+    def __call__(self, event: str, args: tuple) -> None:
+        if event == "open":
+            path, mode, flags = args
+            writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & self._WRITE_FLAGS)
+            if writes and isinstance(path, (str, bytes, os.PathLike)):
+                self._note(path)
+        elif event == "os.rename":
+            self._note(args[1])
+
+    def _note(self, path) -> None:
+        try:
+            full = os.path.abspath(os.fsdecode(path))
+        except (TypeError, ValueError):
+            return
+        folder, name = os.path.split(full)
+        if folder == self.own and (name.startswith((".", "rank")) or name in ("outcome.json", "torchrun.log")):
+            return
+        if full.startswith(self.own + os.sep + "facts" + os.sep):
+            return
+        self.paths.add(full)
+
+
+class _ReportTorchSaveToPaths:
+    """torch.save(obj, "path") writes through C++, which raises no audit event: once the script imports
+    torch, wrap torch.save so that saving to a path raises the "open" event a Python write would."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch.serialization":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_then_wrap(module):
+            execute(module)
+            module.save = _reporting_save(module.save)
+
+        spec.loader.exec_module = exec_then_wrap
+        return spec
+
+
+def _reporting_save(save):
+    @functools.wraps(save)
+    def reporting_save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)):
+            sys.audit("open", os.fspath(f), "wb", 0)
+        return save(obj, f, *args, **kwargs)
+
+    return reporting_save
+
+
 def _finish_like_the_interpreter() -> None:
     """What interpreter shutdown does for a script, short of its final teardown."""
     threading._shutdown()  # join non-daemon threads, as the interpreter does first
@@ -108,6 +175,11 @@ def main() -> None:
         _open_stack_file = open(folder.rank_file(rank, "stack"), "w")
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, file=_open_stack_file or sys.stderr, all_threads=True)
+    observer = WriteObserver(folder) if folder is not None else None
+    if observer is not None:
+        sys.addaudithook(observer)
+        if "torch.serialization" not in sys.modules:
+            sys.meta_path.insert(0, _ReportTorchSaveToPaths())
     sys.path.insert(0, os.path.dirname(script))
 
     exit_code = 0
@@ -130,6 +202,8 @@ def main() -> None:
     except BaseException:  # noqa: BLE001 - e.g. an exception while joining threads: shown, exit unchanged
         traceback.print_exc()
     finally:
+        if observer is not None:
+            folder.write_json(folder.rank_file(rank, "writes.json"), {"rank": rank, "files": sorted(observer.paths)})
         if exit_code == 0:
             _warn_if_process_group_left_open(rank)
         sys.stdout.flush()

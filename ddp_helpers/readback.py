@@ -87,6 +87,7 @@ def collect_result(
                 error=RankError(error["type"], error["message"], error["traceback"], error["time"]) if error else None,
                 ended_at=error["time"] if error else died_at.get(rank),
                 unreadable_facts=unreadable,
+                files_written=tuple((folder.read_own_json(folder.rank_file(rank, "writes.json")) or {}).get("files", ())),
             )
         )
     root = find_root_cause(ranks)

@@ -42,6 +42,8 @@ class RankResult:
         ended_at: when it failed (its exception's time, or when it was seen to die), if it failed.
         unreadable_facts: {name: why} for recorded values that could not be read back.
         root_cause: this rank failed first; the others were stopped because of it.
+        files_written: absolute paths of the files the rank's script opened for writing or renamed into
+            place (seen by the launcher, not reported by the script); empty if the rank did not end normally.
     """
 
     rank: int
@@ -53,6 +55,7 @@ class RankResult:
     ended_at: float | None = None
     unreadable_facts: dict = field(default_factory=dict)
     root_cause: bool = False
+    files_written: tuple[str, ...] = ()
 
     @property
     def status(self) -> str:

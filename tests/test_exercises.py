@@ -1,5 +1,6 @@
-"""Lesson 2's exercise: the checker names each mistake of the script as given, and passes the
-solution shown (hidden) in the notebook. Both scripts are taken from the notebook itself."""
+"""Lesson 2's exercise: the checker names each mistake of the script as given, passes the solution
+shown (hidden) in the notebook, and refuses wrong fixes (made from the solution) for what the ranks did,
+not for what the script says. The scripts are taken from the notebook itself."""
 
 import re
 from pathlib import Path
@@ -34,10 +35,11 @@ def test_the_given_script_has_its_three_mistakes_named(write_script, sources):
     report = check_training_exercise(run)
     assert not report.passed
     text = str(report)
-    assert "call sampler.set_epoch(epoch)" in text
-    assert "rank(s) [0, 1] wrote the checkpoint: save on rank 0 only" in text
-    assert "save model.module.state_dict()" in text
+    assert "epochs 0 and 1, 0 and 2, 1 and 2 went through the data in the same order" in text
+    assert "ranks [0, 1] each wrote checkpoint.pt" in text
+    assert "keys start with 'module.'" in text
     assert "3 mistake(s) to fix" in text
+    assert "set_epoch(epoch)" not in text and "model.module.state_dict()" not in text, "hints must not give the fix"
 
 
 def test_the_solution_passes(write_script, sources):
@@ -46,6 +48,53 @@ def test_the_solution_passes(write_script, sources):
     report = check_training_exercise(run)
     assert report.passed, str(report)
     assert "All checks pass" in str(report)
+
+
+def wrong_fix(solution: str, *replacements: tuple[str, str]) -> str:
+    for old, new in replacements:
+        assert old in solution, f"the solution changed: {old!r} not found"
+        solution = solution.replace(old, new)
+    return solution
+
+
+SET_EPOCH = "    sampler.set_epoch(epoch)\n    seen = []\n"
+RECORD_EPOCH = '    record(f"epoch{epoch}_indices", seen)  # keep: the checker reads it\n'
+RANK0_SAVE = 'if rank == 0:\n    torch.save(model.module.state_dict(), "checkpoint.pt")\n'
+
+
+def test_set_epoch_too_late_and_an_unguarded_save_are_caught(write_script, sources):
+    script = wrong_fix(
+        sources[1],
+        (SET_EPOCH, "    seen = []\n"),
+        (RECORD_EPOCH, RECORD_EPOCH + "    sampler.set_epoch(epoch)  # too late: epoch 1 repeats epoch 0\n"),
+        # Only the bookkeeping is guarded: every rank still saves.
+        (RANK0_SAVE, 'torch.save(model.module.state_dict(), "checkpoint.pt")\n'
+                     'if rank == 0:\n    record("saved_checkpoint", True)\n'),
+    )
+    run = run_on_cpu(write_script("exercise", script), nproc=2, stream=False)
+    assert run.ok, failure_report(run)
+    text = str(check_training_exercise(run))
+    assert "epochs 0 and 1 went through the data in the same order" in text
+    assert "ranks [0, 1] each wrote checkpoint.pt" in text
+    assert "2 mistake(s) to fix" in text, text
+
+
+def test_per_rank_epochs_and_a_torn_checkpoint_from_the_wrong_rank_are_caught(write_script, sources):
+    script = wrong_fix(
+        sources[1],
+        (SET_EPOCH, "    sampler.set_epoch(epoch + rank)  # the ranks now shuffle differently\n    seen = []\n"),
+        (RANK0_SAVE, 'if rank == 1:\n    with open("checkpoint.pt", "wb") as f:\n'
+                     '        f.write(b"PK\\x03\\x04 cut short")  # a torn file\n'),
+    )
+    run = run_on_cpu(write_script("exercise", script), nproc=2, stream=False)
+    assert run.ok, failure_report(run)
+    report = check_training_exercise(run)
+    text = str(report)
+    assert "the ranks did not split the data between them: epoch 0:" in text
+    assert "rank 1 wrote checkpoint.pt: by convention the rank that logs and saves is rank 0" in text
+    assert "checkpoint.pt could not be loaded" in text
+    assert "epochs" not in text.split("did not split")[0], "epoch 0 and 1 orders differ here"
+    assert len(report.mistakes) == 3, text
 
 
 def test_a_run_that_crashed_is_reported_as_such(write_script):

@@ -1,25 +1,51 @@
 """Multiple-choice questions with immediate feedback (ipywidgets). Without a live frontend (nbmake,
-launch_lesson.sh) the questions are printed as text instead, so the notebook still runs."""
+launch_lesson.sh) the questions are printed as text instead, so the notebook still runs.
+
+Options are shown in a shuffled order (fixed per question, so the page is the same on every run):
+where the right answer sits says nothing. A wrong pick gets the question's hint, which points at the
+idea without naming the answer; the explanation shows only once the answer is right.
+"""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Question:
+    """Args:
+        prompt: the question.
+        options: the choices, right one included (shown shuffled).
+        answer: index of the right option in `options`.
+        why: the explanation, shown once the learner picks the right option.
+        hint: shown after a wrong pick; it must not give the answer away.
+    """
+
     prompt: str
     options: tuple[str, ...]
-    answer: int  # index into options
+    answer: int
     why: str
+    hint: str
+
+    @property
+    def right_option(self) -> str:
+        return self.options[self.answer]
+
+    def shown_options(self) -> list[str]:
+        """The options in the order shown: shuffled by a generator seeded from the prompt."""
+        order = list(self.options)
+        random.Random(self.prompt).shuffle(order)
+        return order
 
 
-def _feedback(question: Question, choice: int | None) -> str:
+def feedback(question: Question, choice: str | None) -> str:
+    """What the learner sees after pressing Check with `choice` (an option's text) selected."""
     if choice is None:
         return "Pick an answer first."
-    if choice == question.answer:
+    if choice == question.right_option:
         return f"\u2713 Right. {question.why}"
-    return f"\u2717 Not quite: try again. Hint: {question.why.split('.')[0]}."
+    return f"\u2717 Not quite: try again. Hint: {question.hint}"
 
 
 def quiz_widget(questions: list[Question]):
@@ -28,16 +54,15 @@ def quiz_widget(questions: list[Question]):
 
     rows = []
     for number, question in enumerate(questions, start=1):
-        options = widgets.RadioButtons(options=list(question.options), value=None, layout={"width": "max-content"})
-        feedback = widgets.HTML()
+        options = widgets.RadioButtons(options=question.shown_options(), value=None, layout={"width": "max-content"})
+        shown = widgets.HTML()
         button = widgets.Button(description="Check", button_style="info")
 
-        def on_click(_, q=question, o=options, f=feedback):
-            choice = None if o.value is None else q.options.index(o.value)
-            f.value = f"<b>{_feedback(q, choice)}</b>"
+        def on_click(_, q=question, o=options, f=shown):
+            f.value = f"<b>{feedback(q, o.value)}</b>"
 
         button.on_click(on_click)
-        rows.append(widgets.VBox([widgets.HTML(f"<b>{number}. {question.prompt}</b>"), options, button, feedback]))
+        rows.append(widgets.VBox([widgets.HTML(f"<b>{number}. {question.prompt}</b>"), options, button, shown]))
     return widgets.VBox(rows)
 
 
@@ -46,7 +71,7 @@ def show_quiz(questions: list[Question]) -> None:
     from .widgets import display_with_fallback
 
     as_text = "\n\n".join(
-        f"{n}. {q.prompt}\n" + "\n".join(f"   ( ) {option}" for option in q.options)
+        f"{n}. {q.prompt}\n" + "\n".join(f"   ( ) {option}" for option in q.shown_options())
         for n, q in enumerate(questions, start=1)
     )
     display_with_fallback(quiz_widget(questions), {"text/plain": as_text})

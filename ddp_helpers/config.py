@@ -2,9 +2,11 @@
 from the hardware found and turns bad input into one clear error before anything starts.
 
 Defaults:
-- k CUDA GPUs present: nproc = k, backend "nccl", one GPU per rank.
-- no GPU: nproc = 2 CPU processes, backend "gloo".
-- Asking for more ranks than GPUs with nccl is an error that names the CPU option (backend="gloo").
+- k >= 2 CUDA GPUs present: nproc = k, backend "nccl", one GPU per rank.
+- fewer than 2 GPUs: nproc = 2 CPU processes, backend "gloo" (a world of one would show nothing of
+  what several ranks do, and every check about several ranks would pass without proving anything).
+- nproc given, backend not: nccl when there is a GPU for each rank, else CPU ranks with gloo.
+- Asking for more ranks than GPUs with backend="nccl" is an error that names the CPU option.
 - The run folder lives under the runs root (`runs_root()`), never among the user's files:
   `<runs root>/scripts/<script name>-<hash of its full path>/` for a script, chosen by the magic for a cell.
 - The ranks' working directory is the run folder (fresh at each launch) unless `cwd` is given.
@@ -68,11 +70,19 @@ class Hardware:
     def gpu_count(self) -> int:
         return len(self.gpu_names)
 
+    @property
+    def default_backend(self) -> str:
+        """nccl with a GPU for each of at least 2 ranks; otherwise CPU ranks over gloo."""
+        return "nccl" if self.gpu_count >= 2 else "gloo"
+
     def describe(self) -> str:
         if not self.gpu_names:
             return "no CUDA GPU: ranks run as CPU processes and talk over gloo"
         listing = ", ".join(f"cuda:{i} {name}" for i, name in enumerate(self.gpu_names))
-        return f"{self.gpu_count} CUDA GPU(s): {listing}; ranks use nccl, one GPU each"
+        if self.gpu_count == 1:
+            return (f"1 CUDA GPU ({listing}): one GPU makes a world of one, so by default the ranks run as 2 CPU "
+                    "processes over gloo (--backend nccl -n 1 uses the GPU)")
+        return f"{self.gpu_count} CUDA GPUs: {listing}; ranks use nccl, one GPU each"
 
 
 def detect_hardware() -> Hardware:
@@ -194,9 +204,10 @@ def make_launch_config(
 
     Args:
         script: path of the script every rank runs; must exist.
-        nproc: ranks to start; default one per GPU, or 2 CPU processes without GPUs.
-        backend: "nccl" or "gloo"; default nccl with GPUs, gloo without. With GPUs present,
-            backend="gloo" runs CPU processes (GPUs hidden from the ranks), any number of them.
+        nproc: ranks to start; default one per GPU with 2 or more GPUs, else 2 CPU processes.
+        backend: "nccl" or "gloo"; default nccl when there is a GPU for each rank (and at least 2),
+            gloo otherwise. With GPUs present, backend="gloo" runs CPU processes (GPUs hidden from
+            the ranks), any number of them.
         timeout_s: stop the run after this many seconds (default 120).
         run_dir: folder for per-run output; default `<runs root>/scripts/<script name>-<hash>/`. A folder
             that exists but was not made by ddp_helpers is refused at launch (it would be emptied).
@@ -229,7 +240,8 @@ def make_launch_config(
 
     hardware = hardware or detect_hardware()
     if backend is None:
-        backend = "nccl" if hardware.gpu_count else "gloo"
+        wanted = DEFAULT_CPU_NPROC if nproc is None else parse_nproc(nproc)
+        backend = hardware.default_backend if nproc is None else ("nccl" if wanted <= hardware.gpu_count else "gloo")
     if backend == "nccl" and hardware.gpu_count == 0:
         raise LaunchError(
             "backend 'nccl' needs CUDA GPUs and none was found. Use backend='gloo' (magic: --backend gloo) "

@@ -105,3 +105,19 @@ def test_a_cwd_that_is_not_a_folder_is_refused(script, tmp_path):
     with pytest.raises(LaunchError, match="is not a folder"):
         make_launch_config(script, cwd=tmp_path / "nowhere", hardware=NO_GPU)
     assert make_launch_config(script, cwd=tmp_path, hardware=NO_GPU).working_dir == tmp_path.resolve()
+
+
+ONE_GPU = Hardware(("H200",))
+
+
+def test_one_gpu_is_no_world_so_the_default_is_two_cpu_ranks(script):
+    config = make_launch_config(script, hardware=ONE_GPU)
+    assert (config.nproc, config.backend) == (2, "gloo")
+    assert config.extra_env["CUDA_VISIBLE_DEVICES"] == ""
+    assert (make_launch_config(script, nproc=1, backend="nccl", hardware=ONE_GPU).backend) == "nccl"
+
+
+def test_more_ranks_than_gpus_without_a_backend_run_on_the_cpu(script):
+    assert make_launch_config(script, nproc=2, hardware=TWO_GPUS).backend == "nccl"
+    config = make_launch_config(script, nproc=3, hardware=TWO_GPUS)
+    assert (config.nproc, config.backend) == (3, "gloo")

@@ -28,7 +28,8 @@ def test_lesson_2_runs_from_its_notebook_and_saves_its_plots(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     from ddp_helpers.config import detect_hardware
 
-    world = detect_hardware().gpu_count or 2  # one rank per GPU, or 2 CPU ranks
+    gpus = detect_hardware().gpu_count
+    world = gpus if gpus >= 2 else 2  # one rank per GPU, or 2 CPU ranks
     last = world - 1
     assert f"[rank {last}] rank {last} of {world}, local rank {last}" in done.stdout  # per-rank results, prefixed
     assert "\u2713 after backward() every rank holds bitwise-identical gradients" in done.stdout

@@ -18,18 +18,20 @@ Every rank runs the user's script through this tiny wrapper, which
 from __future__ import annotations
 
 import atexit
+import builtins
 import faulthandler
 import functools
 import gc
+import importlib.machinery
 import importlib.util
 import io
 import os
-import runpy
 import signal
 import sys
 import threading
 import time
 import traceback
+import types
 
 from .processes import die_with_parent
 from .run_folder import AGENT_PID_ENV, RunFolder
@@ -62,7 +64,7 @@ def _exit_status(exit: SystemExit) -> int:
 
 
 def _print_user_traceback(error: BaseException, script: str) -> str:
-    """The traceback from the script's first frame on: the bootstrap's and runpy's frames are noise."""
+    """The traceback from the script's first frame on: the bootstrap's frames are noise."""
     tb = error.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != script:
         tb = tb.tb_next
@@ -144,6 +146,22 @@ def _reporting_save(save):
     return reporting_save
 
 
+def _run_as_main(script: str) -> None:
+    """Run the script as the `__main__` module, as `python script.py` would, and keep that module (and
+    so everything the script created) alive until the process ends. runpy.run_path would free the
+    script's globals on return: DDP's destructor then runs mid-process and can wait forever for a gloo
+    thread that needs the interpreter lock (seen in warm ranks)."""
+    module = types.ModuleType("__main__")
+    module.__dict__.update(
+        __file__=script, __cached__=None, __package__=None, __spec__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", script), __builtins__=builtins,
+    )
+    sys.modules["__main__"] = module
+    with open(script, "rb") as source:
+        code = compile(source.read(), script, "exec")
+    exec(code, module.__dict__)
+
+
 def _finish_like_the_interpreter() -> None:
     """What interpreter shutdown does for a script, short of its final teardown."""
     threading._shutdown()  # join non-daemon threads, as the interpreter does first
@@ -178,13 +196,16 @@ def main() -> None:
     observer = WriteObserver(folder) if folder is not None else None
     if observer is not None:
         sys.addaudithook(observer)
-        if "torch.serialization" not in sys.modules:
+        serialization = sys.modules.get("torch.serialization")
+        if serialization is None:
             sys.meta_path.insert(0, _ReportTorchSaveToPaths())
+        else:  # a warm rank: torch is imported already
+            serialization.save = sys.modules["torch"].save = _reporting_save(serialization.save)
     sys.path.insert(0, os.path.dirname(script))
 
     exit_code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        _run_as_main(script)
     except SystemExit as exit:
         exit_code = _exit_status(exit)
     except BaseException as error:  # noqa: BLE001 - any failure ends the rank; it is reported, not hidden

@@ -106,6 +106,8 @@ class LaunchConfig:
         run_dir (Path): per-run output (each rank's stdout/stderr, recorded facts); emptied at launch,
             and only if ddp_helpers made it (see `run_folder`).
         cwd (Path | None): the ranks' working directory; None: the run folder.
+        warm (bool): fork the supervisor and the ranks from a process that has torch imported (see
+            `warm`), where that gives the same result; False always starts fresh interpreters.
         extra_env (Mapping[str, str]): environment variables added for every rank.
         script_args (tuple[str, ...]): command-line arguments passed to the script.
         stream (bool): print each rank's output live, prefixed by its rank.
@@ -122,6 +124,7 @@ class LaunchConfig:
     script_args: tuple[str, ...] = ()
     stream: bool = True
     cwd: Path | None = None
+    warm: bool = True
 
     @property
     def working_dir(self) -> Path:
@@ -198,6 +201,7 @@ def make_launch_config(
     extra_env: Mapping[str, str] | None = None,
     script_args: tuple[str, ...] = (),
     stream: bool = True,
+    cold: bool = False,
     hardware: Hardware | None = None,
 ) -> LaunchConfig:
     """Validate a launch request and fill in its defaults from the hardware present.
@@ -216,6 +220,7 @@ def make_launch_config(
         extra_env: environment variables for every rank.
         script_args: arguments passed to the script.
         stream: print each rank's output live.
+        cold: start every process as a fresh interpreter (no warm launch; magic: --cold).
         hardware: the devices to plan for; detected when omitted.
 
     Raises:
@@ -271,4 +276,5 @@ def make_launch_config(
         script_args=tuple(str(a) for a in script_args),
         stream=stream,
         cwd=working_dir,
+        warm=not cold,
     )

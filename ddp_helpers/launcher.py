@@ -41,10 +41,16 @@ from pathlib import Path
 
 from .config import RESERVED_ENV, RESERVED_ENV_PREFIXES, LaunchConfig
 from .output import RankOutputStreamer
-from .processes import kill_marked, process_is_dead, stop_process_group
+from .processes import kill_marked, kill_process_groups, process_is_dead, stop_process_group
 from .readback import collect_result
 from .result import RunResult
 from .run_folder import RUN_DIR_ENV, RUN_ID_ENV, RunFolder
+from . import warm
+from .warm import WarmProcess, warm_zygote
+
+_STUB = str(Path(__file__).resolve().parent / "_zygote_stub.py")
+# Variables that differ from launch to launch: not part of the warm process's environment.
+RUN_ENV_KEYS = (RUN_DIR_ENV, RUN_ID_ENV)
 
 _POLL_INTERVAL_S = 0.05
 # The ranks get this long to end after SIGTERM (torchrun's --shutdown-timeout), then SIGKILL.
@@ -81,18 +87,44 @@ def child_environment(config: LaunchConfig, run_id: str, base: dict[str, str] | 
     return env
 
 
-def supervisor_command(config: LaunchConfig) -> list[str]:
+def supervisor_arguments(config: LaunchConfig, parent_pid: int, zygote_socket: str | None = None) -> list[str]:
+    """`ddp_helpers.supervisor`'s arguments: the process to die with, the grace, then torchrun's. With a
+    zygote, torchrun starts each worker through `_zygote_stub` (no torch import), which has the zygote fork it."""
+    worker = ["-m", "ddp_helpers._bootstrap", str(config.script), *config.script_args]
+    if zygote_socket is not None:
+        worker = ["--no-python", sys.executable, "-S", "-u", _STUB, zygote_socket, *worker]
     return [
-        sys.executable, "-m", "ddp_helpers.supervisor", str(os.getpid()), str(SHUTDOWN_GRACE_S), "--",
+        str(parent_pid), str(SHUTDOWN_GRACE_S), "--",
         "--standalone", "--nnodes", "1",
         "--nproc-per-node", str(config.nproc),
         "--max-restarts", "0",
         "--monitor-interval", "0.1",
         "--local-addr", "127.0.0.1",
         "--log-dir", str(config.run_dir / "torchelastic"),
-        "-m", "ddp_helpers._bootstrap",
-        str(config.script), *config.script_args,
+        *worker,
     ]
+
+
+def _start_supervisor(config: LaunchConfig, env: dict[str, str], log) -> subprocess.Popen | WarmProcess:
+    """Fork the supervisor from the zygote when the launch can be warm; else start a fresh interpreter."""
+    zygote = warm_zygote(env, RUN_ENV_KEYS) if config.warm else None
+    if zygote is not None:
+        request = {"role": "supervisor", "argv": supervisor_arguments(config, zygote.process.pid, zygote.socket_path),
+                   "env": env, "cwd": str(config.working_dir)}
+        with open(os.devnull, "rb") as devnull:
+            try:
+                return WarmProcess.start(zygote.socket_path, request, (devnull.fileno(), log.fileno(), log.fileno()))
+            except OSError as error:
+                zygote.note(f"the warm process could not start the run ({error})")
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddp_helpers.supervisor", *supervisor_arguments(config, os.getpid())],
+        env=env,
+        cwd=config.working_dir,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: the stop button's SIGINT reaches only us
+    )
 
 
 def launch(config: LaunchConfig, folder: RunFolder | None = None) -> RunResult:
@@ -131,15 +163,7 @@ def _launch_in(config: LaunchConfig, folder: RunFolder) -> RunResult:
     start = time.monotonic()
     timed_out = False
     with open(folder.path / "torchrun.log", "wb") as log:
-        proc = subprocess.Popen(
-            supervisor_command(config),
-            env=child_environment(config, run_id),
-            cwd=config.working_dir,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: the stop button's SIGINT reaches only us
-        )
+        proc = _start_supervisor(config, child_environment(config, run_id), log)
         try:
             deadline = start + config.timeout_s
             while proc.poll() is None:
@@ -150,14 +174,14 @@ def _launch_in(config: LaunchConfig, folder: RunFolder) -> RunResult:
                     break
                 time.sleep(_POLL_INTERVAL_S)
         finally:  # normal end, timeout, KeyboardInterrupt (stop button) or any error: nothing of the run survives
-            _stop_run(proc, run_id, streamer)
+            _stop_run(proc, run_id, streamer, folder, config.nproc)
     return collect_result(
         config, folder, returncode=proc.returncode, wall_time_s=time.monotonic() - start,
         timed_out=timed_out,
     )
 
 
-def _stop_run(proc: subprocess.Popen, run_id: str, streamer: RankOutputStreamer) -> None:
+def _stop_run(proc, run_id: str, streamer: RankOutputStreamer, folder: RunFolder, nproc: int) -> None:
     """Bounded by STOP_BOUND_S; pressing stop again meanwhile does not cut it short."""
     interrupted = None
     try:
@@ -167,6 +191,7 @@ def _stop_run(proc: subprocess.Popen, run_id: str, streamer: RankOutputStreamer)
     while True:
         try:
             kill_marked(run_id, RUN_ID_ENV)
+            kill_process_groups(pid for pid in map(folder.rank_pid, range(nproc)) if pid)
             streamer.finish()
             break
         except KeyboardInterrupt as again:
@@ -210,3 +235,10 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+def prepare_warm_launches(timeout_s: float = 60) -> bool:
+    """Start the warm process now and wait until it is ready, so the next launch is warm (otherwise the
+    first launch of a process starts it and runs cold). Returns True when it is ready."""
+    defaults = LaunchConfig(Path(__file__), 1, "gloo", 1.0, Path(os.sep))
+    return warm.prepare_warm_launches(child_environment(defaults, ""), RUN_ENV_KEYS, timeout_s)

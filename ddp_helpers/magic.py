@@ -52,6 +52,9 @@ class TorchrunMagics(Magics):
     @argument("--cwd", default=None,
               help="the ranks' working directory, e.g. '.' for the notebook's folder (default: the cell's run "
                    "folder, emptied at each launch)")
+    @argument("--cold", action="store_true",
+              help="start every process as a fresh interpreter (by default the ranks are forked from a "
+                   "process that has torch imported, when that gives the same result)")
     @argument("--out", default="last_run", help="variable that receives the RunResult (default: last_run)")
     @cell_magic
     def torchrun(self, line: str, cell: str):
@@ -83,7 +86,7 @@ class TorchrunMagics(Magics):
                 write_cell_script(cell, script, origin=notebook.name if notebook else "notebook.ipynb", name=name)
                 config = make_launch_config(
                     script, nproc=args.nproc, backend=args.backend, timeout_s=args.timeout, run_dir=run_dir,
-                    cwd=args.cwd,
+                    cwd=args.cwd, cold=args.cold,
                 )
             except LaunchError as error:
                 raise UsageError(str(error)) from None

@@ -76,6 +76,16 @@ def kill_marked(run_id: str, marker_env: str, wait_s: float = 5.0) -> list[int]:
     return pids
 
 
+def kill_process_groups(leaders) -> None:
+    """SIGKILL the process group of each pid (a rank leads its own, as torchrun starts it in a new
+    session): this reaches a rank's forked children, which a warm rank's marker sweep cannot find."""
+    for pid in leaders:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+
+
 def process_is_dead(pid: int) -> bool:
     """True once `pid` has exited or been killed (a zombie is dead, only not yet reaped)."""
     try:

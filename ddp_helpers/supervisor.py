@@ -29,7 +29,9 @@ import threading
 import time
 import traceback
 
-from .processes import ARM_PARENT_DEATH_FAILED, arm_parent_death_signal, kill_marked, process_is_dead
+from .processes import (
+    ARM_PARENT_DEATH_FAILED, arm_parent_death_signal, kill_marked, kill_process_groups, process_is_dead,
+)
 from .run_folder import AGENT_PID_ENV, OUTPUT_KEEP_BYTES, RUN_ID_ENV, RunFolder
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -164,6 +166,10 @@ class DeathWatcher:
         self._thread.join()
         self.look()
 
+    def rank_pids(self) -> list[int]:
+        return [self._pids.get(rank) or self._folder.rank_pid(rank) for rank in range(self._nproc)
+                if self._pids.get(rank) or self._folder.rank_pid(rank)]
+
 
 def _run_torchrun(argv: list[str]) -> dict:
     """Run the torchrun agent here; return what it observed."""
@@ -211,6 +217,7 @@ def main(argv: list[str]) -> int:
             signal.signal(signum, signal.SIG_IGN)
         kill_marked(os.environ[RUN_ID_ENV], RUN_ID_ENV)
         if watcher is not None:
+            kill_process_groups(watcher.rank_pids())
             watcher.stop()
             outcome["died_at"] = watcher.died_at
         if pipes is not None:

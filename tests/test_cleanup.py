@@ -25,9 +25,13 @@ from support import listening_ports, processes_left
 LAUNCHING_PROCESS = textwrap.dedent(
     """
     import sys
-    from ddp_helpers import launch, make_launch_config
+    from ddp_helpers import launch, make_launch_config, warm
     from ddp_helpers.config import Hardware
-    script, marker, run_dir, nproc = sys.argv[1:5]
+    from ddp_helpers.launcher import prepare_warm_launches
+    script, marker, run_dir, nproc, how = sys.argv[1:6]
+    if how == "warm":
+        assert prepare_warm_launches(), "the warm process did not start"
+        print("ZYGOTE", warm._ZYGOTE.process.pid, warm._ZYGOTE.folder, flush=True)
     config = make_launch_config(script, nproc=int(nproc), backend="gloo", hardware=Hardware(()),
                                 run_dir=run_dir, extra_env={"TEST_MARK": marker}, stream=False)
     try:
@@ -51,6 +55,7 @@ STUBBORN_WORKER = textwrap.dedent(
     forked.start()
     dist.barrier()
     record("children", [sleeper.pid, forked.pid])
+    record("rank_and_parent", [os.getpid(), os.getppid()])
     record("store_port", int(os.environ["MASTER_PORT"]))
     time.sleep(300)
     """
@@ -67,47 +72,57 @@ def wait_until(condition, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s} s waiting until {what}")
 
 
-def start_launcher(tmp_path, script_source: str, nproc: int):
+def start_launcher(tmp_path, script_source: str, nproc: int, how: str = "cold"):
     marker = uuid.uuid4().hex
     worker = tmp_path / "worker.py"
     worker.write_text(script_source)
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHING_PROCESS, str(worker), marker, str(run_dir), str(nproc)],
+        [sys.executable, "-c", LAUNCHING_PROCESS, str(worker), marker, str(run_dir), str(nproc), how],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     return launcher, marker, run_dir
 
 
 @pytest.mark.parametrize(
-    "signals",
-    [[signal.SIGINT], [signal.SIGINT, signal.SIGINT], [signal.SIGKILL]],
-    ids=["stop button", "stop button twice", "kernel killed"],
+    "signals, how",
+    [([signal.SIGINT], "cold"), ([signal.SIGINT, signal.SIGINT], "cold"), ([signal.SIGKILL], "cold"),
+     ([signal.SIGINT, signal.SIGINT], "warm"), ([signal.SIGKILL], "warm")],
+    ids=["stop button", "stop button twice", "kernel killed", "warm: stop button twice", "warm: kernel killed"],
 )
-def test_stopping_the_launcher_leaves_nothing_behind(tmp_path, signals):
-    launcher, marker, run_dir = start_launcher(tmp_path, STUBBORN_WORKER, nproc=2)
+def test_stopping_the_launcher_leaves_nothing_behind(tmp_path, signals, how):
+    launcher, marker, run_dir = start_launcher(tmp_path, STUBBORN_WORKER, nproc=2, how=how)
     try:
         facts = run_dir / "facts"
         wait_until(lambda: all((facts / f"rank{r}" / "store_port.json").exists() for r in (0, 1)), 60,
                    "both ranks joined the group and started their children")
         port = json.loads((facts / "rank1" / "store_port.json").read_text())
         children = [pid for r in (0, 1) for pid in json.loads((facts / f"rank{r}" / "children.json").read_text())]
+        ranks = [json.loads((facts / f"rank{r}" / "rank_and_parent.json").read_text()) for r in (0, 1)]
         assert port in listening_ports(), "the rendezvous store should listen while the run is up"
-        assert len(processes_left("TEST_MARK", marker)) >= 7  # supervisor, 2 ranks, 4 children
+        if how == "cold":
+            assert len(processes_left("TEST_MARK", marker)) >= 7  # supervisor, 2 ranks, 4 children
+        else:  # a warm rank's /proc environ is the zygote's: follow the pids instead
+            zygote_pid, zygote_folder = launcher.stdout.readline().split()[1:]
+            assert all(parent == int(zygote_pid) for _, parent in ranks), "the ranks should be warm"
+        everything = children + [pid for pid, _ in ranks]
 
         stopped_at = time.monotonic()
         for how in signals:
             launcher.send_signal(how)
             time.sleep(0.3)
-        wait_until(lambda: not processes_left("TEST_MARK", marker), STOP_BOUND_S,
-                   f"every process of the run is gone (left: {processes_left('TEST_MARK', marker)})")
-        assert all(process_is_dead(pid) for pid in children)
+        wait_until(lambda: not processes_left("TEST_MARK", marker) and all(map(process_is_dead, everything)),
+                   STOP_BOUND_S, f"every process of the run is gone (left: {processes_left('TEST_MARK', marker)}, "
+                   f"{[pid for pid in everything if not process_is_dead(pid)]})")
         wait_until(lambda: port not in listening_ports(), STOP_BOUND_S - (time.monotonic() - stopped_at),
                    f"port {port} is closed")
         output, _ = launcher.communicate(timeout=30)
         if signals[0] == signal.SIGINT:
             assert "launcher saw KeyboardInterrupt" in output
             assert launcher.returncode == 130, output
+        if how == "warm":  # the warm process ends with the launching process, leaving nothing
+            wait_until(lambda: process_is_dead(int(zygote_pid)) and not os.path.exists(zygote_folder),
+                       STOP_BOUND_S, "the warm process is gone with its folder")
     finally:
         launcher.kill()
         launcher.wait()

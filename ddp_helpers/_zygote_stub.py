@@ -1,0 +1,97 @@
+"""The worker command of a warm launch: `python -S -u _zygote_stub.py SOCKET -m ddp_helpers._bootstrap SCRIPT ...`.
+
+torchrun starts this instead of a Python that would import torch. It imports nothing heavy (run with
+-S, standard library only): it hands its environment, working directory, arguments and file
+descriptors 0/1/2 to the zygote, which forks the real worker from a process that has torch imported.
+Then it stands in for the worker towards torchrun: it forwards every signal torchrun sends (to the
+worker's process group, as torchrun does to its own workers), and exits with the worker's status (or
+dies of the same signal). When the stub dies (SIGKILL), the zygote kills the worker.
+
+When the zygote cannot take the request (gone, or it refuses), the stub becomes the cold worker:
+it execs `python -u -m ddp_helpers._bootstrap ...` in place, so the launch still runs, as it would
+without warm launches.
+"""
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _arm_parent_death() -> None:
+    # Die with the torchrun agent, as a cold worker would (the zygote then kills the real worker).
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    expected = os.environ.get("DDP_HELPERS_AGENT_PID")
+    if expected and os.getppid() != int(expected):
+        os._exit(1)
+
+
+def _read_message(sock: socket.socket) -> dict | None:
+    header = b""
+    while len(header) < 4:
+        chunk = sock.recv(4 - len(header))
+        if not chunk:
+            return None
+        header += chunk
+    (size,) = struct.unpack("!I", header)
+    body = b""
+    while len(body) < size:
+        chunk = sock.recv(size - len(body))
+        if not chunk:
+            return None
+        body += chunk
+    return json.loads(body)
+
+
+def _run_cold(cold_argv: list[str]) -> None:
+    os.execv(sys.executable, [sys.executable, "-u", *cold_argv])
+
+
+def main() -> None:
+    _arm_parent_death()
+    socket_path, cold_argv = sys.argv[1], sys.argv[2:]
+    request = {"role": "worker", "argv": cold_argv, "env": dict(os.environ), "cwd": os.getcwd()}
+    body = json.dumps(request).encode()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(socket_path)
+        socket.send_fds(sock, [struct.pack("!I", len(body)) + body], [0, 1, 2])
+        started = _read_message(sock)
+    except OSError:
+        started = None
+    if not started or "pid" not in started:
+        sock.close()
+        _run_cold(cold_argv)
+    worker = started["pid"]
+
+    def forward(signum, frame):
+        try:
+            os.killpg(worker, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    ended = _read_message(sock)
+    if ended is None or "status" not in ended:
+        os._exit(1)  # the zygote died under us; its workers died with it
+    status = ended["status"]
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):  # those cannot be caught, nor need resetting
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+if __name__ == "__main__":
+    main()

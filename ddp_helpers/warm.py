@@ -1,0 +1,205 @@
+"""The kernel's side of warm launches: starting the zygote (`zygote.py`), deciding per launch whether
+it can be used, and a Popen-like handle for a supervisor it forked.
+
+The zygote starts in the background at the first launch (which runs cold meanwhile) and serves every
+later launch of this process. A launch runs cold, with a one-line note, when the warm path could not
+promise the same result: the launch's environment differs in a variable read at import time, torch
+changed on disk since the zygote imported it, or the zygote died. `cold=True` (magic: `--cold`)
+always launches cold.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .zygote import environment_mismatch, torch_fingerprint
+
+
+class WarmProcess:
+    """A child forked by the zygote, with the part of subprocess.Popen's interface the launcher uses."""
+
+    def __init__(self, conn: socket.socket, pid: int):
+        self._conn = conn
+        self.pid = pid
+        self.returncode: int | None = None
+
+    @classmethod
+    def start(cls, socket_path: str, request: dict, fds: tuple[int, int, int]) -> "WarmProcess":
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(30)
+        try:
+            conn.connect(socket_path)
+            body = json.dumps(request).encode()
+            socket.send_fds(conn, [struct.pack("!I", len(body)) + body], list(fds))
+            answer = _read_message(conn)
+        except BaseException:
+            conn.close()
+            raise
+        if not answer or "pid" not in answer:
+            conn.close()
+            raise OSError(f"the warm process did not start the run ({(answer or {}).get('refused', 'no answer')})")
+        return cls(conn, answer["pid"])
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._conn.setblocking(False)
+            try:
+                message = _read_message(self._conn)
+            except (BlockingIOError, InterruptedError):
+                self._conn.setblocking(True)
+                return None
+            self._take(message)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._conn.settimeout(timeout)
+            try:
+                message = _read_message(self._conn)
+            except TimeoutError:
+                raise subprocess.TimeoutExpired("warm supervisor", timeout) from None
+            self._take(message)
+        return self.returncode
+
+    def _take(self, message: dict | None) -> None:
+        status = (message or {}).get("status")
+        # No message: the zygote died, and the child with it.
+        self.returncode = os.waitstatus_to_exitcode(status) if status is not None else -signal.SIGKILL
+        self._conn.close()
+
+
+def _read_message(sock: socket.socket) -> dict | None:
+    header = sock.recv(4, socket.MSG_PEEK)
+    if not header:
+        return None
+    sock.setblocking(True)
+    header = _recv_exactly(sock, 4)
+    (size,) = struct.unpack("!I", header)
+    return json.loads(_recv_exactly(sock, size))
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise OSError("connection closed")
+        data += chunk
+    return data
+
+
+class Zygote:
+    """The zygote of this process, as the launcher sees it."""
+
+    def __init__(self):
+        self.process: subprocess.Popen | None = None
+        self.folder: str | None = None
+        self.env: dict[str, str] = {}
+        self.fingerprint = ""
+        self._notes_shown: set[str] = set()
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self.folder, "zygote.sock")
+
+    def start(self, env: dict[str, str]) -> None:
+        """Start the zygote in the background, with `env` (a launch's environment, without its run's markers)."""
+        self.folder = tempfile.mkdtemp(prefix="ddp_helpers-zygote-")  # private: 0700
+        self.env = dict(env)
+        with open(os.path.join(self.folder, "zygote.log"), "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "ddp_helpers.zygote", str(os.getpid()), self.folder],
+                env=self.env, cwd=self.folder, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,  # the stop button's SIGINT is for the kernel
+            )
+        self.fingerprint = ""
+        atexit.register(self.stop)
+
+    def ready(self) -> bool:
+        if self.process is None or self.process.poll() is not None:
+            return False
+        ready = Path(self.folder, "ready")
+        if not ready.is_file():
+            return False
+        if not self.fingerprint:
+            self.fingerprint = ready.read_text()
+        return True
+
+    def wait_until_ready(self, timeout_s: float = 60) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready():
+                return True
+            if self.process is None or self.process.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return False
+
+    def why_not(self, launch_env: dict[str, str]) -> str | None:
+        """Why this launch cannot be warm (a note for the user), or None when it can."""
+        if self.process is not None and self.process.poll() is not None:
+            return "the warm process died; it is started again for the next launch"
+        mismatch = environment_mismatch(self.env, launch_env)
+        if mismatch:
+            return mismatch
+        if self.fingerprint and self.fingerprint != torch_fingerprint():
+            return "torch changed on disk since the warm process imported it; it is started again"
+        return None
+
+    def note(self, text: str) -> None:
+        if text not in self._notes_shown:
+            self._notes_shown.add(text)
+            print(f"[ddp_helpers] cold launch: {text}", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        self.process = None
+
+
+_ZYGOTE = Zygote()
+
+
+def warm_zygote(launch_env: dict[str, str], run_env_keys: tuple[str, ...]) -> Zygote | None:
+    """The zygote to fork this launch's supervisor from, or None (launch cold; a note says why, when the
+    reason is worth knowing). Starts the zygote for later launches when there is none."""
+    zygote = _ZYGOTE
+    base_env = {k: v for k, v in launch_env.items() if k not in run_env_keys}
+    if zygote.process is None:
+        zygote.start(base_env)
+        return None
+    reason = zygote.why_not(launch_env)
+    if reason is not None:
+        if zygote.process.poll() is not None or "torch changed" in reason:
+            zygote.stop()
+            zygote.start(base_env)
+        zygote.note(reason)
+        return None
+    return zygote if zygote.ready() else None
+
+
+def prepare_warm_launches(env: dict[str, str], run_env_keys: tuple[str, ...], timeout_s: float = 60) -> bool:
+    """Start the zygote now and wait until it is ready (tests and benchmarks use it). True when ready."""
+    if _ZYGOTE.process is None:
+        _ZYGOTE.start({k: v for k, v in env.items() if k not in run_env_keys})
+    return _ZYGOTE.wait_until_ready(timeout_s)
+
+

@@ -1,0 +1,313 @@
+"""Warm launches: a long-lived process with torch already imported (a "zygote") forks the supervisor and
+every rank of a launch, so a `%%torchrun` cell does not wait ~1.3 s per process for `import torch`
+(and ~1.2 s more for torch._dynamo, which DDP and the first optimizer import).
+
+    python -m ddp_helpers.zygote KERNEL_PID SOCKET_DIR
+
+Each forked child is still a fresh process for the script: its own session, the environment,
+working directory, arguments and file descriptors 0/1/2 of the process that asked for it (the
+launcher for the supervisor, `_zygote_stub` for a worker), every other descriptor closed, signal
+handlers at their defaults, and fresh random generators (Python's, numpy's, torch's). What differs
+from a cold process: its parent (the zygote), its process title, its /proc/<pid>/environ (the
+zygote's; the launcher's sweep finds these processes by process group instead), resource limits
+(the zygote's).
+
+Rules that keep forking safe (each was a hang or a deadlock in the prototype):
+- the zygote never computes (no thread pool starts) and checks it has exactly one thread before
+  every fork; it never initialises CUDA (checked);
+- libraries that read the environment when imported (OpenMP, OpenBLAS, torch's logging) saw the
+  zygote's: the launcher launches cold when the launch's environment differs there
+  (`environment_mismatch`); a forked rank sets torch's thread count from its own OMP_NUM_THREADS.
+
+Security: the socket lives in a private folder (0700), is itself 0600, and the zygote also checks the
+peer's user id (SO_PEERCRED): nothing else can ask it to run code. It dies with the kernel (parent-death
+signal), removing its folder; its children notice (the supervisor stops its run; ranks die).
+
+Protocol (one Unix stream connection per child): the client sends a length-prefixed JSON request
+{"role": "supervisor"|"worker", "argv", "env", "cwd"} with its fds 0/1/2 attached; the zygote answers
+{"pid": N} once forked, then {"status": wait_status} when the child ends. When the client goes away
+first, the zygote kills the child's process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import sys
+
+from .run_folder import AGENT_PID_ENV
+
+# Environment variables read when the pre-imported modules load: a launch whose values differ from the
+# zygote's runs cold (the warm ranks would behave as if they had the zygote's).
+IMPORT_TIME_ENV_PREFIXES = (
+    "TORCH_", "PYTORCH_", "TORCHDYNAMO_", "TORCHINDUCTOR_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO",
+    "PYTHON", "LD_", "CUDA_", "MALLOC_",
+)
+IMPORT_TIME_ENV = ("LOGLEVEL", "TORCH_LOGS")
+# Set per launch or per rank, read later than import: they may differ.
+RUNTIME_ENV = ("CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def import_time_environment(env: dict[str, str]) -> dict[str, str]:
+    return {
+        key: value for key, value in env.items()
+        if (key in IMPORT_TIME_ENV or key.startswith(IMPORT_TIME_ENV_PREFIXES))
+        and key not in RUNTIME_ENV and not key.startswith("TORCHELASTIC_")
+    }
+
+
+def environment_mismatch(zygote_env: dict[str, str], launch_env: dict[str, str]) -> str | None:
+    """The first import-time variable whose value differs, as a short note, or None."""
+    ours, theirs = import_time_environment(zygote_env), import_time_environment(launch_env)
+    for key in sorted(set(ours) | set(theirs)):
+        if ours.get(key) != theirs.get(key):
+            return f"{key}={theirs.get(key)!r} differs from the warm process's {ours.get(key)!r}"
+    return None
+
+
+def torch_fingerprint() -> str:
+    """Changes when torch is reinstalled (its version file and package folder are rewritten)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    folder = os.path.dirname(spec.origin)
+    stats = [os.stat(os.path.join(folder, name)) for name in ("__init__.py", "version.py")]
+    return ";".join(f"{s.st_ino}:{s.st_mtime_ns}:{s.st_size}" for s in stats)
+
+
+def write_message(sock: socket.socket, message: dict) -> None:
+    body = json.dumps(message).encode()
+    sock.sendall(struct.pack("!I", len(body)) + body)
+
+
+def _preimport() -> None:
+    import numpy  # noqa: F401 - before torch, as a script importing both would
+    import torch
+    import torch._dynamo  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.distributed.run  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+    import torch.utils.data  # noqa: F401
+
+    from . import _bootstrap, recording, supervisor  # noqa: F401
+
+    # The first optimizer pulls in the rest of torch._dynamo's lazy imports; it computes nothing.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialised in the zygote: forked ranks could not use it")
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    credentials = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", credentials)[1]
+
+
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    if len(data) < 4:
+        raise ValueError("short request")
+    (size,) = struct.unpack("!I", data[:4])
+    body = data[4:]
+    while len(body) < size:
+        chunk = conn.recv(size - len(body))
+        if not chunk:
+            raise ValueError("truncated request")
+        body += chunk
+    return json.loads(body), fds
+
+
+def _become_child(request: dict, fds: list[int]) -> None:
+    """In the forked child: turn into a fresh process for the request, run it, never return."""
+    code = 1
+    try:
+        os.setsid()
+        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.path[0] = os.getcwd()  # as `python -m ...` started here would have it
+        _fresh_randomness()
+        import torch
+
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or 1)))
+        if request["role"] == "supervisor":
+            from . import supervisor
+
+            code = supervisor.main(request["argv"])
+        else:
+            from . import _bootstrap
+
+            argv = request["argv"]  # ["-m", "ddp_helpers._bootstrap", SCRIPT, ARGS...]
+            sys.argv = ["-m", *argv[2:]]
+            # The rank dies with its parent, which is this zygote here (the stub stands in for it
+            # towards torchrun; the zygote kills the rank if the stub dies).
+            os.environ[AGENT_PID_ENV] = str(os.getppid())
+            _bootstrap.main()  # ends the process itself
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 1
+    except BaseException:  # noqa: BLE001 - report, then end this child only
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _fresh_randomness() -> None:
+    import random
+
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
+
+
+class Zygote:
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.path = os.path.join(folder, "zygote.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        os.chmod(self.path, 0o600)
+        self.listener.listen(64)
+        self.children: dict[int, socket.socket] = {}  # pid -> the connection of whoever asked for it
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.wakeup_r, wakeup_w = os.pipe()
+        os.set_blocking(self.wakeup_r, False)
+        os.set_blocking(wakeup_w, False)
+        signal.set_wakeup_fd(wakeup_w)
+        self.selector.register(self.wakeup_r, selectors.EVENT_READ, "signal")
+
+    def serve(self) -> None:
+        while True:
+            for key, _ in self.selector.select():
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "signal":
+                    os.read(self.wakeup_r, 4096)
+                    self._reap()
+                else:
+                    self._client_spoke(key.fileobj, key.data)
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        try:
+            if _peer_uid(conn) != os.getuid():
+                raise PermissionError("another user")
+            request, fds = _read_request(conn)
+        except (OSError, ValueError):
+            conn.close()
+            return
+        try:
+            if len(fds) != 3:
+                raise ValueError("expected 3 file descriptors")
+            if _threads() != 1:  # a fork now could inherit a lock held by another thread
+                write_message(conn, {"refused": f"the zygote has {_threads()} threads"})
+                conn.close()
+                return
+            pid = os.fork()
+            if pid == 0:
+                _become_child(request, fds)
+            self.children[pid] = conn
+            write_message(conn, {"pid": pid})
+            self.selector.register(conn, selectors.EVENT_READ, pid)
+        except (OSError, ValueError):
+            conn.close()
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self._reap()  # a child that ended at once
+
+    def _client_spoke(self, conn: socket.socket, pid: int) -> None:
+        try:
+            gone = conn.recv(1) == b""
+        except OSError:
+            gone = True
+        if gone:  # whoever asked for this child died: so must the child, with its process group
+            self.selector.unregister(conn)
+            for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+                try:
+                    kill()
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is None:
+                continue
+            try:
+                self.selector.unregister(conn)
+            except (KeyError, ValueError):
+                pass
+            try:
+                write_message(conn, {"status": status})
+            except OSError:
+                pass
+            conn.close()
+
+    def shutdown(self) -> None:
+        for pid in list(self.children):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    kernel_pid, folder = int(argv[0]), argv[1]
+    from .processes import ARM_PARENT_DEATH_FAILED, arm_parent_death_signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook's stop button is for the kernel, not us
+    if arm_parent_death_signal(signal.SIGTERM, kernel_pid) == ARM_PARENT_DEATH_FAILED:
+        shutil.rmtree(folder, ignore_errors=True)
+        return 1
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the loop through the wakeup fd
+    zygote = None
+    try:
+        _preimport()
+        zygote = Zygote(folder)
+        with open(os.path.join(folder, "ready"), "w") as ready:
+            ready.write(torch_fingerprint())
+        zygote.serve()
+    finally:
+        if zygote is not None:
+            zygote.shutdown()
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,128 @@
+"""Warm launches: ranks forked from a process that has torch imported must be the same processes, for
+the script, as a cold launch gives, and fall back to cold where they could not be."""
+
+import os
+import stat
+import textwrap
+
+import pytest
+
+from ddp_helpers import warm
+from ddp_helpers.launcher import prepare_warm_launches
+from support import failure_report, run_on_cpu
+
+PROBE = textwrap.dedent(
+    """
+    import os, random, sys, threading
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from ddp_helpers import record
+
+    dist.init_process_group("gloo")
+    record("process", {
+        "env": dict(os.environ), "argv": sys.argv, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(),
+        "threads": len(os.listdir("/proc/self/task")), "python_threads": threading.active_count(),
+        "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+        "session_leader": os.getsid(0) == os.getpid(), "torch_threads": torch.get_num_threads(),
+        "default_dtype": str(torch.get_default_dtype()), "parent": os.getppid(), "main": __name__,
+        "random": [torch.randn(1).item(), random.random(), float(np.random.rand())],
+    })
+    dist.destroy_process_group()
+    """
+)
+
+# Differ between any two launches, warm or cold.
+PER_LAUNCH = {"DDP_HELPERS_RUN_ID", "DDP_HELPERS_AGENT_PID", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+              "TORCHELASTIC_ERROR_FILE"}
+
+
+@pytest.fixture(scope="module")
+def zygote_pid():
+    assert prepare_warm_launches(), "the warm process did not start"
+    return warm._ZYGOTE.process.pid
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("probe") / "probe.py"
+    path.write_text(PROBE)
+    return path
+
+
+def processes(run) -> list[dict]:
+    assert run.ok, failure_report(run)
+    return run.facts("process")
+
+
+def test_a_warm_rank_is_the_same_process_as_a_cold_one(probe, zygote_pid):
+    cold = processes(run_on_cpu(probe, cold=True))
+    hot = processes(run_on_cpu(probe))
+    assert all(p["parent"] == zygote_pid for p in hot), "the second launch should have been warm"
+    assert all(p["parent"] != zygote_pid for p in cold)
+    for c, w in zip(cold, hot):
+        assert {k: v for k, v in w["env"].items() if k not in PER_LAUNCH} == \
+               {k: v for k, v in c["env"].items() if k not in PER_LAUNCH}
+        for key in ("argv", "file", "path0", "cwd", "threads", "python_threads", "fds", "session_leader",
+                    "torch_threads", "default_dtype", "main"):
+            assert w[key] == c[key], f"{key}: warm {w[key]!r}, cold {c[key]!r}"
+
+
+def test_unseeded_randomness_differs_across_ranks_and_launches(probe, zygote_pid):
+    first, second = processes(run_on_cpu(probe)), processes(run_on_cpu(probe))
+    draws = [tuple(p["random"]) for p in first + second]
+    for generator in range(3):  # torch, random, numpy
+        values = [d[generator] for d in draws]
+        assert len(set(values)) == len(values), f"generator {generator} repeated: {values}"
+
+
+def test_nothing_carries_over_from_one_warm_launch_to_the_next(write_script, zygote_pid):
+    leaves_a_mess = write_script("mess", """
+        import os, sys, wave, torch
+        torch.set_default_dtype(torch.float64)
+        os.environ["LEFT_BEHIND"] = "1"
+        sys.modules["torch"].leftover = "set by the previous launch"
+        leftover = 1
+    """)
+    looks = write_script("looks", """
+        import os, sys, torch
+        from ddp_helpers import record
+        record("seen", {"dtype": str(torch.get_default_dtype()), "env": os.environ.get("LEFT_BEHIND"),
+                        "module": "wave" in sys.modules, "attribute": hasattr(torch, "leftover"),
+                        "global": "leftover" in globals(), "parent": os.getppid()})
+    """)
+    assert run_on_cpu(leaves_a_mess).ok
+    run = run_on_cpu(looks)
+    assert run.ok, failure_report(run)
+    for seen in run.facts("seen"):
+        assert seen["parent"] == zygote_pid
+        assert seen == {"dtype": "torch.float32", "env": None, "module": False, "attribute": False,
+                        "global": False, "parent": zygote_pid}
+
+
+def test_an_environment_read_at_import_launches_cold_with_a_note(probe, zygote_pid, capsys):
+    run = run_on_cpu(probe, extra_env={"OMP_NUM_THREADS": "2"})
+    assert all(p["parent"] != zygote_pid for p in processes(run))
+    assert all(p["torch_threads"] == 2 for p in processes(run))
+    assert "[ddp_helpers] cold launch: OMP_NUM_THREADS='2' differs" in capsys.readouterr().err
+    assert all(p["parent"] != zygote_pid for p in processes(run_on_cpu(probe, cold=True)))
+
+
+def test_only_this_user_can_reach_the_warm_process(zygote_pid):
+    folder = warm._ZYGOTE.folder
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(warm._ZYGOTE.socket_path).st_mode) == 0o600
+
+
+def test_a_warm_rank_computes_on_several_threads(write_script, zygote_pid):
+    # Forking after a parallel region would leave the child's OpenMP pool dead (a deadlock at the next
+    # parallel op): the zygote never computes, and a warm rank can use threads as a cold one can.
+    run = run_on_cpu(write_script("threads", """
+        import os, torch
+        from ddp_helpers import record
+        torch.set_num_threads(2)
+        a = torch.randn(512, 512)
+        record("result", [float((a @ a).sum()) != 0.0, torch.get_num_threads(), os.getppid()]) 
+    """), timeout_s=60)
+    assert run.ok, failure_report(run)
+    assert run.facts("result") == [[True, 2, zygote_pid]] * 2

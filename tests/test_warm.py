@@ -126,3 +126,25 @@ def test_a_warm_rank_computes_on_several_threads(write_script, zygote_pid):
     """), timeout_s=60)
     assert run.ok, failure_report(run)
     assert run.facts("result") == [[True, 2, zygote_pid]] * 2
+
+
+def test_a_dead_warm_process_means_one_cold_launch_then_a_new_one(probe, zygote_pid, capsys):
+    import signal
+
+    os.kill(zygote_pid, signal.SIGKILL)
+    warm._ZYGOTE.process.wait()
+    assert all(p["parent"] != zygote_pid for p in processes(run_on_cpu(probe)))
+    assert "[ddp_helpers] cold launch: the warm process died" in capsys.readouterr().err
+    assert prepare_warm_launches(), "a new warm process should have been started"
+    new_pid = warm._ZYGOTE.process.pid
+    assert new_pid != zygote_pid and all(p["parent"] == new_pid for p in processes(run_on_cpu(probe)))
+
+
+def test_torch_changed_on_disk_means_a_cold_launch_and_a_new_warm_process(probe, monkeypatch, capsys):
+    assert prepare_warm_launches()
+    old_pid = warm._ZYGOTE.process.pid
+    monkeypatch.setattr(warm, "torch_fingerprint", lambda: "reinstalled")
+    assert all(p["parent"] != old_pid for p in processes(run_on_cpu(probe)))
+    assert "torch changed on disk" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert prepare_warm_launches() and warm._ZYGOTE.process.pid != old_pid

@@ -190,6 +190,7 @@ def main() -> None:
     if folder is not None:
         _redirect_output(folder, rank)
         folder.write_json(folder.rank_file(rank, "pid"), {"rank": rank, "pid": os.getpid()})
+        folder.rank_file(rank, "error.json").unlink(missing_ok=True)  # an earlier attempt's, before a restart
         _open_stack_file = open(folder.rank_file(rank, "stack"), "w")
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, file=_open_stack_file or sys.stderr, all_threads=True)

@@ -106,6 +106,8 @@ class LaunchConfig:
         run_dir (Path): per-run output (each rank's stdout/stderr, recorded facts); emptied at launch,
             and only if ddp_helpers made it (see `run_folder`).
         cwd (Path | None): the ranks' working directory; None: the run folder.
+        max_restarts (int): how many times torchrun restarts all ranks after one fails (its
+            --max-restarts); 0: a failure ends the run.
         warm (bool): fork the supervisor and the ranks from a process that has torch imported (see
             `warm`), where that gives the same result; False always starts fresh interpreters.
         extra_env (Mapping[str, str]): environment variables added for every rank.
@@ -125,6 +127,7 @@ class LaunchConfig:
     stream: bool = True
     cwd: Path | None = None
     warm: bool = True
+    max_restarts: int = 0
 
     @property
     def working_dir(self) -> Path:
@@ -202,6 +205,7 @@ def make_launch_config(
     script_args: tuple[str, ...] = (),
     stream: bool = True,
     cold: bool = False,
+    max_restarts: int = 0,
     hardware: Hardware | None = None,
 ) -> LaunchConfig:
     """Validate a launch request and fill in its defaults from the hardware present.
@@ -221,6 +225,10 @@ def make_launch_config(
         script_args: arguments passed to the script.
         stream: print each rank's output live.
         cold: start every process as a fresh interpreter (no warm launch; magic: --cold).
+        max_restarts: restart every rank up to this many times after a failure (torchrun's
+            --max-restarts). Each restart runs the script from the start: it must resume from its own
+            snapshot. Warning: torch's agent keeps the dead ranks' addresses in its store, and a restart
+            can then fail to connect; the launcher sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to avoid it.
         hardware: the devices to plan for; detected when omitted.
 
     Raises:
@@ -236,6 +244,8 @@ def make_launch_config(
     if backend is not None and backend not in BACKENDS:
         raise LaunchError(f"Unknown backend {backend!r}: use 'nccl' (one GPU per rank) or 'gloo' (CPU processes).")
     timeout_s = parse_timeout(DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or not 0 <= max_restarts <= 10:
+        raise LaunchError(f"max_restarts must be a whole number from 0 to 10, got {max_restarts!r}.")
     env = check_extra_env(extra_env)
     working_dir = None
     if cwd is not None:
@@ -277,4 +287,5 @@ def make_launch_config(
         stream=stream,
         cwd=working_dir,
         warm=not cold,
+        max_restarts=max_restarts,
     )

@@ -72,6 +72,10 @@ def child_environment(config: LaunchConfig, run_id: str, base: dict[str, str] | 
     }
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets 1 thread per rank anyway (and warns)
     env["MPLBACKEND"] = "Agg"  # ranks have no display; the kernel's inline backend would drag IPython in
+    if config.max_restarts:
+        # Without it the agent's shared store keeps the dead ranks' addresses and restarts fail to connect
+        # (pytorch issues 135712, 167288): 7 of 10 restarts failed here, 0 of 12 with it.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     env.update(config.extra_env)
     package_parent = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
@@ -97,7 +101,7 @@ def supervisor_arguments(config: LaunchConfig, parent_pid: int, zygote_socket: s
         str(parent_pid), str(SHUTDOWN_GRACE_S), "--",
         "--standalone", "--nnodes", "1",
         "--nproc-per-node", str(config.nproc),
-        "--max-restarts", "0",
+        "--max-restarts", str(config.max_restarts),
         "--monitor-interval", "0.1",
         "--local-addr", "127.0.0.1",
         "--log-dir", str(config.run_dir / "torchelastic"),

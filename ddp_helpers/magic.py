@@ -55,6 +55,8 @@ class TorchrunMagics(Magics):
     @argument("--cold", action="store_true",
               help="start every process as a fresh interpreter (by default the ranks are forked from a "
                    "process that has torch imported, when that gives the same result)")
+    @argument("--max-restarts", default=0, type=int,
+              help="restart every rank up to this many times after one fails (torchrun's --max-restarts; default 0)")
     @argument("--out", default="last_run", help="variable that receives the RunResult (default: last_run)")
     @cell_magic
     def torchrun(self, line: str, cell: str):
@@ -86,7 +88,7 @@ class TorchrunMagics(Magics):
                 write_cell_script(cell, script, origin=notebook.name if notebook else "notebook.ipynb", name=name)
                 config = make_launch_config(
                     script, nproc=args.nproc, backend=args.backend, timeout_s=args.timeout, run_dir=run_dir,
-                    cwd=args.cwd, cold=args.cold,
+                    cwd=args.cwd, cold=args.cold, max_restarts=args.max_restarts,
                 )
             except LaunchError as error:
                 raise UsageError(str(error)) from None

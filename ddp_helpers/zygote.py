@@ -49,8 +49,9 @@ IMPORT_TIME_ENV_PREFIXES = (
     "PYTHON", "LD_", "CUDA_", "MALLOC_",
 )
 IMPORT_TIME_ENV = ("LOGLEVEL", "TORCH_LOGS")
-# Set per launch or per rank, read later than import: they may differ.
-RUNTIME_ENV = ("CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+# Set per launch or per rank, read later than import (when CUDA starts, a process group or a
+# rendezvous is created): they may differ.
+RUNTIME_ENV = ("CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 
 
 def import_time_environment(env: dict[str, str]) -> dict[str, str]:

@@ -148,3 +148,27 @@ def test_torch_changed_on_disk_means_a_cold_launch_and_a_new_warm_process(probe,
     assert "torch changed on disk" in capsys.readouterr().err
     monkeypatch.undo()
     assert prepare_warm_launches() and warm._ZYGOTE.process.pid != old_pid
+
+
+RESTARTS = """
+import os, signal, torch, torch.distributed as dist
+from ddp_helpers import record
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+dist.init_process_group("gloo")
+dist.barrier()
+if attempt == 0 and dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer would
+dist.barrier()
+record("attempt", attempt)
+record("parent", os.getppid())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
+def test_torchrun_restarts_the_ranks_after_a_failure(write_script, cold):
+    assert prepare_warm_launches()
+    run = run_on_cpu(write_script("restarts", RESTARTS), max_restarts=1, cold=cold, timeout_s=90)
+    assert run.ok, failure_report(run)
+    assert run.facts("attempt") == [1, 1], "every rank runs again, once"
+    assert all((parent == warm._ZYGOTE.process.pid) != cold for parent in run.facts("parent"))

@@ -57,6 +57,9 @@ class TorchrunMagics(Magics):
                    "process that has torch imported, when that gives the same result)")
     @argument("--max-restarts", default=0, type=int,
               help="restart every rank up to this many times after one fails (torchrun's --max-restarts; default 0)")
+    @argument("--may-fail", action="store_true",
+              help="a failed run is shown (its summary and traceback) but does not stop the notebook: for "
+                   "cells that demonstrate a failure; the result is in --out")
     @argument("--out", default="last_run", help="variable that receives the RunResult (default: last_run)")
     @cell_magic
     def torchrun(self, line: str, cell: str):
@@ -94,6 +97,9 @@ class TorchrunMagics(Magics):
                 raise UsageError(str(error)) from None
             run = launch(config, folder)
         self.shell.user_ns[args.out] = run
+        if not run.ok and args.may_fail:
+            print(run.summary() + f"\n(the failure was expected here: --may-fail; result in `{args.out}`)")
+            return
         if not run.ok:
             raise RunFailedInCell(run)
         print(run.summary().splitlines()[0] + f"  (result in `{args.out}`)")

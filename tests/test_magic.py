@@ -89,3 +89,13 @@ def test_cells_run_on_every_rank_and_failures_fail_the_cell(ipython, tmp_path):
     rendered = "\n".join(failed.error_in_exec._render_traceback_())
     assert "raise KeyError('missing column')" in rendered
     assert ipython.user_ns["oops"].first_failure.rank == 1
+
+
+def test_a_cell_that_may_fail_shows_the_failure_and_the_notebook_goes_on(ipython, capsys):
+    result = run_cell(ipython, "-n 2 --backend gloo --name demo --out demo --may-fail",
+                      "import os\nif os.environ['RANK'] == '1':\n    raise ValueError('the point of the demo')\n")
+    assert result.success, result.error_in_exec
+    shown = capsys.readouterr().out
+    assert "Rank 1 failed first: ValueError: the point of the demo" in shown
+    assert "--may-fail" in shown
+    assert ipython.user_ns["demo"].first_failure.rank == 1

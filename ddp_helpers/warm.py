@@ -5,7 +5,7 @@ The zygote starts in the background at the first launch (which runs cold meanwhi
 later launch of this process. A launch runs cold, with a one-line note, when the warm path could not
 promise the same result: the launch's environment differs in a variable read at import time, torch
 changed on disk since the zygote imported it, or the zygote died. `cold=True` (magic: `--cold`)
-always launches cold.
+always launches cold, and so does every launch of a process started with DDP_HELPERS_COLD=1.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 from .zygote import environment_mismatch, torch_fingerprint
+
+COLD_ENV = "DDP_HELPERS_COLD"
 
 
 class WarmProcess:
@@ -181,6 +183,8 @@ _ZYGOTE = Zygote()
 def warm_zygote(launch_env: dict[str, str], run_env_keys: tuple[str, ...]) -> Zygote | None:
     """The zygote to fork this launch's supervisor from, or None (launch cold; a note says why, when the
     reason is worth knowing). Starts the zygote for later launches when there is none."""
+    if os.environ.get(COLD_ENV) == "1":
+        return None
     zygote = _ZYGOTE
     base_env = {k: v for k, v in launch_env.items() if k not in run_env_keys}
     if zygote.process is None:

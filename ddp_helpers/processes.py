@@ -20,6 +20,7 @@ import subprocess
 import time
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 ARMED, ARM_PARENT_DEATH_UNSUPPORTED, ARM_PARENT_DEATH_FAILED = "armed", "unsupported", "parent gone"
@@ -45,14 +46,34 @@ def die_with_parent(expected_parent_pid: int | None = None) -> None:
         os._exit(1)
 
 
+def process_name_for(run_id: str) -> str:
+    """The process name (comm, at most 15 characters) a warm process of run `run_id` carries. Forked
+    processes inherit it, so it marks what the environment cannot: a warm process's /proc environ is
+    the warm zygote's, and so is that of anything it forks."""
+    return f"ddp-{run_id[:11]}"
+
+
+def set_process_name(name: str) -> None:
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def marked_processes(run_id: str, marker_env: str) -> list[int]:
-    """PIDs of live processes whose environment holds `marker_env=run_id`."""
+    """PIDs of live processes of a run: their environment holds `marker_env=run_id` (started with exec),
+    or their name is `process_name_for(run_id)` (forked from a warm process)."""
     needle = f"{marker_env}={run_id}".encode()
+    name = process_name_for(run_id).encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
+            with open(f"/proc/{entry}/comm", "rb") as f:
+                if f.read().strip() == name:
+                    found.append(int(entry))
+                    continue
             with open(f"/proc/{entry}/environ", "rb") as f:
                 if needle in f.read().split(b"\0"):
                     found.append(int(entry))

@@ -40,7 +40,8 @@ import socket
 import struct
 import sys
 
-from .run_folder import AGENT_PID_ENV
+from .processes import process_name_for, set_process_name
+from .run_folder import AGENT_PID_ENV, RUN_ID_ENV
 
 # Environment variables read when the pre-imported modules load: a launch whose values differ from the
 # zygote's runs cold (the warm ranks would behave as if they had the zygote's).
@@ -139,6 +140,8 @@ def _become_child(request: dict, fds: list[int]) -> None:
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         os.environ.clear()
         os.environ.update(request["env"])
+        # The run's marker where the sweep can see it: /proc environ still shows the zygote's.
+        set_process_name(process_name_for(os.environ.get(RUN_ID_ENV, "")))
         os.chdir(request["cwd"])
         sys.path[0] = os.getcwd()  # as `python -m ...` started here would have it
         _fresh_randomness()

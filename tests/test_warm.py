@@ -172,3 +172,35 @@ def test_torchrun_restarts_the_ranks_after_a_failure(write_script, cold):
     assert run.ok, failure_report(run)
     assert run.facts("attempt") == [1, 1], "every rank runs again, once"
     assert all((parent == warm._ZYGOTE.process.pid) != cold for parent in run.facts("parent"))
+
+
+DAEMON = """
+import os, time
+from ddp_helpers import record
+if os.fork() == 0:          # a daemon, the classic way: fork, new session, fork again
+    os.setsid()
+    if os.fork() == 0:
+        with open(f"daemon{os.environ['RANK']}.pid", "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(300)
+    os._exit(0)
+time.sleep(0.5)  # the daemon has written its pid
+record("rank", int(os.environ["RANK"]))
+"""
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
+def test_a_daemon_a_rank_leaves_behind_is_swept(write_script, cold):
+    import time
+
+    from ddp_helpers.processes import process_is_dead
+
+    assert prepare_warm_launches()
+    run = run_on_cpu(write_script("daemon", DAEMON), cold=cold)
+    assert run.ok, failure_report(run)
+    daemons = [int((run.run_dir / f"daemon{rank}.pid").read_text()) for rank in (0, 1)]
+    # It escaped into a new session with a new parent; the launch's sweep still finds it.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(map(process_is_dead, daemons)):
+        time.sleep(0.1)
+    assert all(map(process_is_dead, daemons)), f"daemons of the run still alive: {daemons}"

@@ -36,6 +36,7 @@ class ExerciseReport:
 
     mistakes: list[str] = field(default_factory=list)
     confirmed: list[str] = field(default_factory=list)
+    verdict_when_passed: str = "All checks pass: the script trains and saves like a DDP script should."
 
     @property
     def passed(self) -> bool:
@@ -45,7 +46,7 @@ class ExerciseReport:
         lines = [f"\u2713 {line}" for line in self.confirmed]
         lines += [f"\u2717 {line}" for line in self.mistakes]
         verdict = (
-            "All checks pass: the script trains and saves like a DDP script should."
+            self.verdict_when_passed
             if self.passed
             else f"{len(self.mistakes)} mistake(s) to fix: edit the exercise cell and run it again."
         )

@@ -151,3 +151,62 @@ def plot_all_reduce_timeline(timelines: Sequence[dict], title: str = "One backwa
     ax.set_title(title, fontsize=10, loc="left")
     fig.tight_layout()
     return fig
+
+
+def plot_pipeline_timelines(timelines: dict[str, Sequence[dict]], title: str = "What each stage does, when"):
+    """One panel per schedule: per rank, a box for each forward (solid) and backward (hatched) piece.
+
+    Args:
+        timelines: {panel title: per rank {"pieces": [{"kind", "micro", "start", "end"}], "total": s}}.
+    """
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 1.2 + 1.3 * len(timelines)), squeeze=False)
+    for ax, (name, timeline) in zip(axes[:, 0], timelines.items()):
+        for rank, per_rank in enumerate(timeline):
+            for piece in per_rank["pieces"]:
+                ms = (piece["start"] * 1e3, (piece["end"] - piece["start"]) * 1e3)
+                ax.broken_barh([ms], (rank - 0.35, 0.7), facecolors=rank_color(rank),
+                               alpha=0.9 if piece["kind"] == "forward" else 0.5,
+                               hatch=None if piece["kind"] == "forward" else "//", edgecolor="white")
+        ax.set_yticks(range(len(timeline)), [f"rank {r}" for r in range(len(timeline))])
+        ax.set_ylim(len(timeline) - 0.5, -0.5)
+        ax.set_xlim(0, max(r["total"] for r in timeline) * 1e3)
+        ax.set_title(name, fontsize=10, loc="left")
+    axes[-1, 0].set_xlabel("ms (solid: forward of a micro-batch, hatched: its backward; white space: idle)")
+    fig.suptitle(title, x=0.02, ha="left")
+    fig.tight_layout()
+    return fig
+
+
+def plot_idle_fraction(micro_batches: Sequence[int], measured: Sequence[Sequence[float]], formula: Sequence[float]):
+    """Measured idle fraction per rank against the formula, for each number of micro-batches."""
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for rank in range(len(measured[0])):
+        ax.plot(micro_batches, [m[rank] for m in measured], "o-", color=rank_color(rank), label=f"rank {rank}, measured")
+    ax.plot(micro_batches, formula, "k--", label="(p - 1) / (m + p - 1)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(micro_batches), [str(m) for m in micro_batches])
+    ax.set_xlabel("micro-batches m (p = 2 stages)")
+    ax.set_ylabel("idle fraction")
+    ax.set_ylim(0, 0.7)
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_bytes_per_rank(per_rank: Sequence[dict[str, int]], title: str):
+    """Stacked bars: per rank, the bytes of each kind (parameters, gradients, optimizer state, ...)."""
+    fig, ax = plt.subplots(figsize=(6, 3))
+    kinds = list(per_rank[0])
+    bottoms = np.zeros(len(per_rank))
+    for shade, kind in enumerate(kinds):
+        values = np.array([r[kind] for r in per_rank]) / 2**20
+        ax.bar(range(len(per_rank)), values, bottom=bottoms, color=[rank_color(r) for r in range(len(per_rank))],
+               alpha=1.0 - 0.3 * shade, edgecolor="white", label=kind)
+        for r, (b, v) in enumerate(zip(bottoms, values)):
+            ax.text(r, b + v / 2, f"{kind}\n{v:.1f} MiB", ha="center", va="center", fontsize=7)
+        bottoms += values
+    ax.set_xticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
+    ax.set_ylabel("MiB")
+    ax.set_title(title, fontsize=10, loc="left")
+    fig.tight_layout()
+    return fig

@@ -38,6 +38,18 @@ def test_lesson_2_runs_from_its_notebook_and_saves_its_plots(tmp_path):
     assert all(p.stat().st_size > 10_000 for p in plots)
 
 
+def test_lesson_1_runs_from_its_notebook_and_saves_its_plots(tmp_path):
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "launch_lesson.sh"), "1"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "\u2713 the averaged gradient is one process's gradient on the whole batch" in done.stdout
+    assert "never finished: rank 0 in recv" in done.stdout  # the exercise as given, judged
+    plots = sorted((tmp_path / "runs" / "01_data_vs_model_parallelism" / "plots").glob("*.png"))
+    assert len(plots) >= 3, plots
+
+
 def test_a_failing_check_makes_the_lesson_exit_non_zero(tmp_path):
     import sys
 

@@ -1,0 +1,57 @@
+"""Lesson 1's exercise: the checker names the deadlock of the script as given, passes the solution
+shown (hidden) in the notebook, and refuses a fix that runs but leaves stage 0 without gradients.
+The scripts are taken from the notebook itself."""
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from ddp_helpers.lessons.lesson1 import bubble_formula, check_pipeline_exercise, idle_fractions
+from support import failure_report, run_on_cpu
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_data_vs_model_parallelism.ipynb"
+
+
+@pytest.fixture(scope="module")
+def sources():
+    cells = nbformat.read(NOTEBOOK, as_version=4).cells
+    given = next(c.source for c in cells if c.source.startswith("%%torchrun -n 2 --name exercise"))
+    solution_cell = next(c.source for c in cells if c.cell_type == "markdown" and "Show the solution" in c.source)
+    solution = re.search(r"```python\n(.*?)```", solution_cell, flags=re.S).group(1)
+    assert "<details>" in solution_cell, "the solution must be hidden by default"
+    return given.split("\n", 1)[1], solution.split("\n", 1)[1]
+
+
+def test_the_given_pipeline_deadlocks_and_the_checker_says_where(write_script, sources):
+    run = run_on_cpu(write_script("exercise", sources[0]), timeout_s=8, stream=False)
+    report = check_pipeline_exercise(run)
+    assert not report.passed
+    text = str(report)
+    assert "never finished: rank 0 in recv" in text and "rank 1 in recv" in text, text
+
+
+def test_the_solution_passes(write_script, sources):
+    run = run_on_cpu(write_script("exercise", sources[1]), stream=False)
+    assert run.ok, failure_report(run)
+    report = check_pipeline_exercise(run)
+    assert report.passed, str(report)
+
+
+def test_a_fix_that_runs_but_never_sends_the_gradient_back_fails(write_script, sources):
+    wrong = sources[1].replace("    grad = torch.empty_like(activation)\n", "").replace(
+        "    dist.recv(grad, src=1)                    # the gradient of the activation, from stage 1\n", "").replace(
+        "    activation.backward(grad)\n", "").replace("    dist.send(activation.grad, dst=0)\n", "")
+    assert wrong != sources[1]
+    run = run_on_cpu(write_script("exercise", wrong), stream=False)
+    assert run.ok, failure_report(run)
+    text = str(check_pipeline_exercise(run))
+    assert "no gradient reached stage0" in text, text
+
+
+def test_idle_fraction_and_formula():
+    timeline = [{"pieces": [{"start": 0.0, "end": 1.0}], "total": 2.0},
+                {"pieces": [{"start": 1.0, "end": 2.0}], "total": 2.0}]
+    assert idle_fractions(timeline) == [0.5, 0.5]
+    assert bubble_formula(2, 1) == 0.5 and bubble_formula(2, 4) == 0.2 and bubble_formula(4, 1) == 0.75

@@ -210,3 +210,16 @@ def plot_bytes_per_rank(per_rank: Sequence[dict[str, int]], title: str):
     ax.set_title(title, fontsize=10, loc="left")
     fig.tight_layout()
     return fig
+
+
+def plot_bars(labels: Sequence[str], values: Sequence[float], title: str, ylabel: str):
+    """One bar per label (e.g. bytes communicated per step by each way of splitting), log scale."""
+    fig, ax = plt.subplots(figsize=(6, 2.8))
+    bars = ax.bar(range(len(labels)), values, color="#7f7f7f")
+    ax.bar_label(bars, [f"{v:,.0f}" for v in values], fontsize=8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10, loc="left")
+    fig.tight_layout()
+    return fig

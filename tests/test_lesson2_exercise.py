@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ddp_helpers.exercises import check_training_exercise
+from ddp_helpers.lessons.lesson2 import check_training_exercise
 from support import failure_report, run_on_cpu
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "02_ddp_basics.ipynb"

@@ -1,0 +1,149 @@
+"""Lesson 2 (DDP basics): the exercise checker. It judges what the learner's ranks did, and names each
+mistake found.
+
+Lesson 2's exercise is a training script that forgets `sampler.set_epoch`, saves on every rank, and
+saves the DDP wrapper's state_dict (keys prefixed "module."). The checker trusts nothing the script
+says about itself beyond the indices each rank's DataLoader gave it (`epoch0_indices`, ...):
+- every epoch's order differs from every other epoch's;
+- in every epoch the ranks' shares are disjoint and cover the data set (up to DistributedSampler's padding);
+- who wrote the checkpoint is observed by the launcher (`RankResult.files_written`), not reported;
+- the checkpoint is loaded and must load into a plain, unwrapped model; a torn or unreadable file is named.
+Hints name the mistake found without handing out the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from pathlib import Path
+
+from ..exercises import ExerciseReport
+from ..result import RunResult
+
+CHECKPOINT_NAME = "checkpoint.pt"
+DATASET_SIZE = 64  # the exercise's TensorDataset
+
+
+def _exercise_model():
+    import torch
+
+    return torch.nn.Linear(4, 2)
+
+
+def check_training_exercise(run: RunResult) -> ExerciseReport:
+    """Name each mistake of lesson 2's exercise that the run shows."""
+    report = ExerciseReport()
+    if not run.ok:
+        report.mistakes.append("the run did not finish; fix the error shown above first")
+        return report
+    _check_epochs(run, report)
+    path = _check_checkpoint_writers(run, report)
+    if path is not None:
+        _check_checkpoint_contents(path, report)
+    return report
+
+
+def _epoch_orders(run: RunResult) -> dict[int, list[list[int]]] | None:
+    """{epoch: [rank 0's indices, rank 1's, ...]}, or None when a rank did not record every epoch."""
+    names = {name for r in run.ranks for name in r.facts if re.fullmatch(r"epoch\d+_indices", name)}
+    epochs = sorted(int(name[len("epoch"):-len("_indices")]) for name in names)
+    if any(f"epoch{e}_indices" not in r.facts for e in epochs for r in run.ranks):
+        return None
+    return {e: [list(r.facts[f"epoch{e}_indices"]) for r in run.ranks] for e in epochs}
+
+
+def _check_epochs(run: RunResult, report: ExerciseReport) -> None:
+    orders = _epoch_orders(run)
+    if orders is None or len(orders) < 2:
+        report.mistakes.append("record(f'epoch{epoch}_indices', ...) should run on every rank for every epoch "
+                               "(keep those lines)")
+        return
+    epochs = sorted(orders)
+    repeated = [(a, b) for i, a in enumerate(epochs) for b in epochs[i + 1:] if orders[a] == orders[b]]
+    if repeated:
+        pairs = ", ".join(f"{a} and {b}" for a, b in repeated)
+        report.mistakes.append(
+            f"epochs {pairs} went through the data in the same order on every rank: the sampler was not told "
+            "which epoch each one is, in time for it"
+        )
+    else:
+        report.confirmed.append("every epoch went through the data in a new order")
+
+    world = len(run.ranks)
+    overlaps = []
+    for epoch in epochs:
+        problem = _share_problem(orders[epoch], world)
+        if problem:
+            overlaps.append(f"epoch {epoch}: {problem}")
+    if overlaps:
+        report.mistakes.append(
+            "the ranks did not split the data between them: " + "; ".join(overlaps)
+            + ". Every rank's sampler must shuffle the same way for the shares to fit together"
+        )
+    else:
+        report.confirmed.append(f"in every epoch the {world} ranks' shares were disjoint and covered the data set")
+
+
+def _share_problem(shares: list[list[int]], world: int) -> str | None:
+    """What is wrong with one epoch's shares, or None. DistributedSampler pads with repeats (or, with
+    drop_last=True, leaves out the remainder): that much is allowed."""
+    counts = Counter(index for share in shares for index in share)
+    outside = [i for i in counts if not 0 <= i < DATASET_SIZE]
+    seen_twice = sum(c - 1 for c in counts.values())
+    unseen = DATASET_SIZE - len(counts) + len(outside)
+    padding = math.ceil(DATASET_SIZE / world) * world - DATASET_SIZE
+    dropped = DATASET_SIZE - (DATASET_SIZE // world) * world
+    if not outside and ((unseen == 0 and seen_twice <= padding) or (seen_twice == 0 and unseen <= dropped)):
+        return None
+    return f"{seen_twice} sample(s) seen by more than one rank, {unseen} by none"
+
+
+def _check_checkpoint_writers(run: RunResult, report: ExerciseReport) -> Path | None:
+    written = {r.rank: [p for p in r.files_written if Path(p).name == CHECKPOINT_NAME] for r in run.ranks}
+    writers = [rank for rank, paths in written.items() if paths]
+    if not writers:
+        report.mistakes.append(f"no rank wrote {CHECKPOINT_NAME}: the trained model is lost when the job ends")
+        return None
+    if len(writers) > 1:
+        report.mistakes.append(
+            f"ranks {writers} each wrote {CHECKPOINT_NAME}: several processes writing one file race each other "
+            "(and can leave it torn), for weights that are identical anyway. One rank is enough"
+        )
+    elif writers != [0]:
+        report.mistakes.append(
+            f"rank {writers[0]} wrote {CHECKPOINT_NAME}: by convention the rank that logs and saves is rank 0"
+        )
+    else:
+        report.confirmed.append(f"only rank 0 wrote {CHECKPOINT_NAME} (seen by the launcher)")
+    return Path(written[writers[0]][-1])
+
+
+def _check_checkpoint_contents(path: Path, report: ExerciseReport) -> None:
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - a torn or foreign file is the learner's to fix, not a crash
+        first_line = (str(error).splitlines() or [""])[0][:160]
+        report.mistakes.append(
+            f"{path.name} could not be loaded ({type(error).__name__}: {first_line}): it is torn, or holds "
+            "something other than a state_dict of tensors"
+        )
+        return
+    if not isinstance(state, dict):
+        report.mistakes.append(f"{path.name} holds a {type(state).__name__}, not a state_dict")
+        return
+    wrapped = [key for key in state if isinstance(key, str) and key.startswith("module.")]
+    if wrapped:
+        report.mistakes.append(
+            f"the checkpoint's keys start with 'module.' ({wrapped[0]!r}): they are the DDP wrapper's names, so "
+            "the weights will not load into a plain, unwrapped model"
+        )
+        return
+    try:
+        _exercise_model().load_state_dict(state)
+    except Exception as error:  # noqa: BLE001
+        report.mistakes.append(f"the checkpoint does not load into the plain model ({type(error).__name__})")
+        return
+    report.confirmed.append("the checkpoint loads into a plain, unwrapped model")

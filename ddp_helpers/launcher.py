@@ -118,7 +118,7 @@ def _start_supervisor(config: LaunchConfig, env: dict[str, str], log) -> subproc
         with open(os.devnull, "rb") as devnull:
             try:
                 return WarmProcess.start(zygote.socket_path, request, (devnull.fileno(), log.fileno(), log.fileno()))
-            except OSError as error:
+            except (OSError, ValueError) as error:  # ValueError: a garbled answer
                 zygote.note(f"the warm process could not start the run ({error})")
     return subprocess.Popen(
         [sys.executable, "-m", "ddp_helpers.supervisor", *supervisor_arguments(config, os.getpid())],

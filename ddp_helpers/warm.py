@@ -20,6 +20,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -178,6 +179,7 @@ class Zygote:
 
 
 _ZYGOTE = Zygote()
+_STARTING = threading.Lock()
 
 
 def warm_zygote(launch_env: dict[str, str], run_env_keys: tuple[str, ...]) -> Zygote | None:
@@ -187,23 +189,25 @@ def warm_zygote(launch_env: dict[str, str], run_env_keys: tuple[str, ...]) -> Zy
         return None
     zygote = _ZYGOTE
     base_env = {k: v for k, v in launch_env.items() if k not in run_env_keys}
-    if zygote.process is None:
-        zygote.start(base_env)
-        return None
-    reason = zygote.why_not(launch_env)
-    if reason is not None:
-        if zygote.process.poll() is not None or "torch changed" in reason:
-            zygote.stop()
+    with _STARTING:  # launches from several threads start one zygote, not one each
+        if zygote.process is None:
             zygote.start(base_env)
-        zygote.note(reason)
-        return None
+            return None
+        reason = zygote.why_not(launch_env)
+        if reason is not None:
+            if zygote.process.poll() is not None or "torch changed" in reason:
+                zygote.stop()
+                zygote.start(base_env)
+            zygote.note(reason)
+            return None
     return zygote if zygote.ready() else None
 
 
 def prepare_warm_launches(env: dict[str, str], run_env_keys: tuple[str, ...], timeout_s: float = 60) -> bool:
     """Start the zygote now and wait until it is ready (tests and benchmarks use it). True when ready."""
-    if _ZYGOTE.process is None:
-        _ZYGOTE.start({k: v for k, v in env.items() if k not in run_env_keys})
+    with _STARTING:
+        if _ZYGOTE.process is None:
+            _ZYGOTE.start({k: v for k, v in env.items() if k not in run_env_keys})
     return _ZYGOTE.wait_until_ready(timeout_s)
 
 

@@ -115,16 +115,21 @@ def _peer_uid(conn: socket.socket) -> int:
 
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
     data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    if len(data) < 4:
-        raise ValueError("short request")
-    (size,) = struct.unpack("!I", data[:4])
-    body = data[4:]
-    while len(body) < size:
-        chunk = conn.recv(size - len(body))
-        if not chunk:
-            raise ValueError("truncated request")
-        body += chunk
-    return json.loads(body), fds
+    try:
+        if len(data) < 4:
+            raise ValueError("short request")
+        (size,) = struct.unpack("!I", data[:4])
+        body = data[4:]
+        while len(body) < size:
+            chunk = conn.recv(size - len(body))
+            if not chunk:
+                raise ValueError("truncated request")
+            body += chunk
+        return json.loads(body), fds
+    except BaseException:
+        for fd in fds:  # descriptors of a request that is not served
+            os.close(fd)
+        raise
 
 
 def _become_child(request: dict, fds: list[int]) -> None:
@@ -220,7 +225,9 @@ class Zygote:
         try:
             if _peer_uid(conn) != os.getuid():
                 raise PermissionError("another user")
+            conn.settimeout(5)  # a client that stalls mid-request must not stall the zygote
             request, fds = _read_request(conn)
+            conn.settimeout(None)
         except (OSError, ValueError):
             conn.close()
             return

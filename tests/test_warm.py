@@ -204,3 +204,23 @@ def test_a_daemon_a_rank_leaves_behind_is_swept(write_script, cold):
     while time.monotonic() < deadline and not all(map(process_is_dead, daemons)):
         time.sleep(0.1)
     assert all(map(process_is_dead, daemons)), f"daemons of the run still alive: {daemons}"
+
+
+def test_a_client_that_stalls_or_garbles_does_not_stall_the_warm_process(probe, zygote_pid):
+    import socket
+
+    if warm._ZYGOTE.process is None or warm._ZYGOTE.process.poll() is not None:
+        assert prepare_warm_launches()
+    stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stalled.connect(warm._ZYGOTE.socket_path)
+    stalled.sendall(b"\x00\x00\x10\x00{")  # a length, then too little of the request
+    garbled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    garbled.connect(warm._ZYGOTE.socket_path)
+    garbled.sendall(b"\x00\x00\x00\x02{]")
+    try:
+        run = run_on_cpu(probe, timeout_s=60)
+        zygote = warm._ZYGOTE.process.pid
+        assert all(p["parent"] == zygote for p in processes(run)), "the launch after them is still warm"
+    finally:
+        stalled.close()
+        garbled.close()

@@ -39,9 +39,13 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 from .processes import process_name_for, set_process_name
 from .run_folder import AGENT_PID_ENV, RUN_ID_ENV
+
+# How long a supervisor gets to stop its run and sweep when the kernel dies (inside launcher.STOP_BOUND_S).
+SUPERVISOR_STOP_S = 10
 
 # Environment variables read when the pre-imported modules load: a launch whose values differ from the
 # zygote's runs cold (the warm ranks would behave as if they had the zygote's).
@@ -201,6 +205,7 @@ class Zygote:
         os.chmod(self.path, 0o600)
         self.listener.listen(64)
         self.children: dict[int, socket.socket] = {}  # pid -> the connection of whoever asked for it
+        self.supervisors: set[int] = set()
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.wakeup_r, wakeup_w = os.pipe()
@@ -242,6 +247,8 @@ class Zygote:
             if pid == 0:
                 _become_child(request, fds)
             self.children[pid] = conn
+            if request.get("role") == "supervisor":
+                self.supervisors.add(pid)
             write_message(conn, {"pid": pid})
             self.selector.register(conn, selectors.EVENT_READ, pid)
         except (OSError, ValueError):
@@ -286,6 +293,25 @@ class Zygote:
             conn.close()
 
     def shutdown(self) -> None:
+        """The kernel is gone: let each run's supervisor stop its run and sweep (what its ranks left
+        behind, daemons included), within the launcher's bound; then kill whatever is left."""
+        running = {pid for pid in self.supervisors if pid in self.children}
+        for pid in running:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + SUPERVISOR_STOP_S
+        while running and time.monotonic() < deadline:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid:
+                running.discard(pid)
+                self.children.pop(pid, None)
+            else:
+                time.sleep(0.05)
         for pid in list(self.children):
             try:
                 os.killpg(pid, signal.SIGKILL)

@@ -53,8 +53,18 @@ STUBBORN_WORKER = textwrap.dedent(
     sleeper = subprocess.Popen(["sleep", "300"])
     forked = multiprocessing.get_context("fork").Process(target=time.sleep, args=(300,))
     forked.start()
+    if os.fork() == 0:  # a daemon: a new session, a new parent; only the final sweep can find it
+        os.setsid()
+        if os.fork() == 0:
+            with open(f"daemon{os.environ['RANK']}.pid", "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(300)
+        os._exit(0)
+    daemon_file = f"daemon{os.environ['RANK']}.pid"
+    while not (os.path.exists(daemon_file) and open(daemon_file).read()):
+        time.sleep(0.05)
     dist.barrier()
-    record("children", [sleeper.pid, forked.pid])
+    record("children", [sleeper.pid, forked.pid, int(open(daemon_file).read())])
     record("rank_and_parent", [os.getpid(), os.getppid()])
     record("store_port", int(os.environ["MASTER_PORT"]))
     time.sleep(300)
@@ -101,7 +111,7 @@ def test_stopping_the_launcher_leaves_nothing_behind(tmp_path, signals, how):
         ranks = [json.loads((facts / f"rank{r}" / "rank_and_parent.json").read_text()) for r in (0, 1)]
         assert port in listening_ports(), "the rendezvous store should listen while the run is up"
         if how == "cold":
-            assert len(processes_left("TEST_MARK", marker)) >= 7  # supervisor, 2 ranks, 4 children
+            assert len(processes_left("TEST_MARK", marker)) >= 9  # supervisor, 2 ranks, 6 children
         else:  # a warm rank's /proc environ is the zygote's: follow the pids instead
             zygote_pid, zygote_folder = launcher.stdout.readline().split()[1:]
             assert all(parent == int(zygote_pid) for _, parent in ranks), "the ranks should be warm"

@@ -263,13 +263,23 @@ class Zygote:
             gone = conn.recv(1) == b""
         except OSError:
             gone = True
-        if gone:  # whoever asked for this child died: so must the child, with its process group
-            self.selector.unregister(conn)
-            for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-                try:
-                    kill()
-                except (ProcessLookupError, PermissionError):
-                    pass
+        if not gone:
+            return
+        self.selector.unregister(conn)
+        if pid in self.supervisors:
+            # The kernel that asked for this run is gone: the supervisor stops its run and sweeps what the
+            # ranks left behind (SIGKILL would leave their daemons), within the launcher's bound.
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            return
+        # A rank's stub died (torchrun killed it): so must the rank, with its process group.
+        for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+            try:
+                kill()
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _reap(self) -> None:
         while self.children:
@@ -280,6 +290,7 @@ class Zygote:
             if pid == 0:
                 return
             conn = self.children.pop(pid, None)
+            self.supervisors.discard(pid)
             if conn is None:
                 continue
             try:

@@ -121,9 +121,12 @@ def test_stopping_the_launcher_leaves_nothing_behind(tmp_path, signals, how):
         for how in signals:
             launcher.send_signal(how)
             time.sleep(0.3)
-        wait_until(lambda: not processes_left("TEST_MARK", marker) and all(map(process_is_dead, everything)),
-                   STOP_BOUND_S, f"every process of the run is gone (left: {processes_left('TEST_MARK', marker)}, "
-                   f"{[pid for pid in everything if not process_is_dead(pid)]})")
+        try:
+            wait_until(lambda: not processes_left("TEST_MARK", marker) and all(map(process_is_dead, everything)),
+                       STOP_BOUND_S, "every process of the run is gone")
+        except AssertionError as error:
+            left = processes_left("TEST_MARK", marker) + [pid for pid in everything if not process_is_dead(pid)]
+            raise AssertionError(f"{error}; left: {[describe(pid) for pid in left]}") from None
         wait_until(lambda: port not in listening_ports(), STOP_BOUND_S - (time.monotonic() - stopped_at),
                    f"port {port} is closed")
         output, _ = launcher.communicate(timeout=30)
@@ -165,6 +168,18 @@ def test_a_kernel_killed_while_ranks_start_leaves_no_rank(tmp_path):
         finally:
             launcher.kill()
             launcher.wait()
+
+
+def describe(pid: int) -> str:
+    """A live process, as far as /proc tells: for assertion messages."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(") ", 1)
+        comm = fields[0].split(" (", 1)[1]
+        state, ppid, pgrp, session = fields[1].split()[:4]
+        return f"{pid} {comm!r} state {state} parent {ppid} group {pgrp} session {session} {_cmdline(pid)[:80]!r}"
+    except OSError:
+        return f"{pid} (gone)"
 
 
 def _cmdline(pid: int) -> bytes:

@@ -52,9 +52,8 @@ def cell_paths(notebook: str, name: str, root: Path | None = None) -> tuple[Path
 
 
 def write_cell_script(source: str, script: Path, *, origin: str, name: str) -> Path:
-    """Compile `source` (so a SyntaxError surfaces before anything is written or launched), then write it
-    to `script` with a header saying where it came from."""
-    compile(source, f"<cell {name}>", "exec")
+    """Write `source` (compiled by the caller, so that a SyntaxError creates nothing) to `script`, with a
+    header saying where it came from."""
     header = (
         f"# Generated from {origin}, %%torchrun cell {name!r} - edit the notebook, not this file.\n"
         f"# Run it yourself: torchrun --nproc-per-node 2 {script.name}\n"

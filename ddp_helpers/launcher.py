@@ -195,7 +195,7 @@ def _stop_run(proc, run_id: str, streamer: RankOutputStreamer, folder: RunFolder
     while True:
         try:
             kill_marked(run_id, RUN_ID_ENV)
-            kill_process_groups(pid for pid in map(folder.rank_pid, range(nproc)) if pid)
+            kill_process_groups(folder.rank_pids(nproc))
             streamer.finish()
             break
         except KeyboardInterrupt as again:

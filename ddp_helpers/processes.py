@@ -92,7 +92,7 @@ def kill_marked(run_id: str, marker_env: str, wait_s: float = 5.0) -> list[int]:
             pass
     deadline = time.monotonic() + wait_s
     while pids and time.monotonic() < deadline:
-        pids = [pid for pid in pids if _alive(pid)]
+        pids = [pid for pid in pids if not process_is_dead(pid)]
         time.sleep(0.02)
     return pids
 
@@ -114,10 +114,6 @@ def process_is_dead(pid: int) -> bool:
             return f.read().rsplit(") ", 1)[-1][:1] in ("Z", "X")
     except OSError:
         return True
-
-
-def _alive(pid: int) -> bool:
-    return not process_is_dead(pid)
 
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:

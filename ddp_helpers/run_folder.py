@@ -207,3 +207,7 @@ class RunFolder:
     def rank_pid(self, rank: int) -> int | None:
         found = self.read_own_json(self.rank_file(rank, "pid"))
         return found.get("pid") if found else None
+
+    def rank_pids(self, nproc: int) -> list[int]:
+        """The pids of the ranks that started (after a restart: of their latest attempt)."""
+        return [pid for pid in map(self.rank_pid, range(nproc)) if pid]

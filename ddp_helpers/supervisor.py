@@ -166,10 +166,6 @@ class DeathWatcher:
         self._thread.join()
         self.look()
 
-    def rank_pids(self) -> list[int]:
-        return [self._pids.get(rank) or self._folder.rank_pid(rank) for rank in range(self._nproc)
-                if self._pids.get(rank) or self._folder.rank_pid(rank)]
-
 
 def _run_torchrun(argv: list[str]) -> dict:
     """Run the torchrun agent here; return what it observed."""
@@ -216,8 +212,8 @@ def main(argv: list[str]) -> int:
         for signum in _STOP_SIGNALS:  # cleanup is not to be interrupted; the launcher's last resort is SIGKILL
             signal.signal(signum, signal.SIG_IGN)
         kill_marked(os.environ[RUN_ID_ENV], RUN_ID_ENV)
+        kill_process_groups(folder.rank_pids(nproc))
         if watcher is not None:
-            kill_process_groups(watcher.rank_pids())
             watcher.stop()
             outcome["died_at"] = watcher.died_at
         if pipes is not None:

@@ -223,3 +223,49 @@ def plot_bars(labels: Sequence[str], values: Sequence[float], title: str, ylabel
     ax.set_title(title, fontsize=10, loc="left")
     fig.tight_layout()
     return fig
+
+
+def plot_series_per_rank(panels: dict[str, Sequence[Sequence[float]]], reference: Sequence[float] | None = None,
+                         reference_label: str = "", ylabel: str = "", title: str = ""):
+    """Side-by-side panels, one line per rank (e.g. a running statistic over steps), and an optional dashed
+    reference line drawn in every panel."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False, sharey=True)
+    for ax, (panel_title, per_rank) in zip(axes[0], panels.items()):
+        for rank, values in enumerate(per_rank):
+            ax.plot(values, color=rank_color(rank), label=f"rank {rank}")
+        if reference is not None:
+            ax.plot(reference, color="black", linestyle="--", linewidth=1, label=reference_label)
+        ax.set_title(panel_title, fontsize=9)
+        ax.set_xlabel("step")
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_memory_and_communication(worlds: Sequence[int], largest_share_mib: dict[str, Sequence[float]],
+                                  received_per_step: dict[str, dict[str, float]]):
+    """Left: per strategy, the bytes the fullest rank holds at each world size. Right: per strategy, the
+    bytes one rank receives through each kind of collective in one training step."""
+    fig, (memory, traffic) = plt.subplots(1, 2, figsize=(10, 3.4))
+    width = 0.8 / len(largest_share_mib)
+    for i, (strategy, values) in enumerate(largest_share_mib.items()):
+        positions = np.arange(len(worlds)) + (i - (len(largest_share_mib) - 1) / 2) * width
+        memory.bar(positions, values, width, label=strategy, color=f"C{i}")
+    memory.set_xticks(range(len(worlds)), [f"world {w}" for w in worlds])
+    memory.set_ylabel("MiB on the fullest rank")
+    memory.set_title("Training state per rank (parameters, gradients, Adam)", fontsize=9)
+    memory.legend(fontsize=8)
+    kinds = sorted({kind for per_kind in received_per_step.values() for kind in per_kind})
+    bottoms = np.zeros(len(received_per_step))
+    for shade, kind in enumerate(kinds):
+        values = np.array([per_kind.get(kind, 0) for per_kind in received_per_step.values()]) / 2**20
+        traffic.bar(range(len(received_per_step)), values, bottom=bottoms, label=kind, color=f"C{shade + 4}")
+        bottoms += values
+    traffic.set_xticks(range(len(received_per_step)), list(received_per_step))
+    traffic.set_ylabel("MiB received by a rank")
+    traffic.set_title("Communication in one step", fontsize=9)
+    traffic.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

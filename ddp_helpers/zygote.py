@@ -59,11 +59,22 @@ IMPORT_TIME_ENV = ("LOGLEVEL", "TORCH_LOGS")
 RUNTIME_ENV = ("CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 
 
+def _set_by_torch_to_its_default(key: str, value: str) -> bool:
+    """True for a variable torch writes into os.environ itself, with the value it means by default: the
+    first optimizer step in a kernel sets TORCHINDUCTOR_CACHE_DIR so, which changes nothing."""
+    if key != "TORCHINDUCTOR_CACHE_DIR":
+        return False
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(value) == os.path.abspath(default_cache_dir())
+
+
 def import_time_environment(env: dict[str, str]) -> dict[str, str]:
     return {
         key: value for key, value in env.items()
         if (key in IMPORT_TIME_ENV or key.startswith(IMPORT_TIME_ENV_PREFIXES))
         and key not in RUNTIME_ENV and not key.startswith("TORCHELASTIC_")
+        and not _set_by_torch_to_its_default(key, value)
     }
 
 

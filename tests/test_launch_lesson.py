@@ -77,3 +77,15 @@ def test_a_failing_check_makes_the_lesson_exit_non_zero(tmp_path):
     assert "the sum was not 3" in done.stdout + done.stderr
     assert "must not run" not in done.stdout
     assert "code cell 2 of 07_broken.ipynb failed" in done.stderr
+
+
+def test_lesson_3_runs_from_its_notebook_and_saves_its_plots(tmp_path):
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "launch_lesson.sh"), "3"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "\u2713 outputs, gradients and running statistics equal one process's BatchNorm" in done.stdout
+    assert "holds sharded tensors (DTensors)" in done.stdout  # the exercise as given, judged
+    plots = sorted((tmp_path / "runs" / "03_syncbn_and_sharded_state" / "plots").glob("*.png"))
+    assert len(plots) >= 3, plots

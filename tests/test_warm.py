@@ -224,3 +224,14 @@ def test_a_client_that_stalls_or_garbles_does_not_stall_the_warm_process(probe, 
     finally:
         stalled.close()
         garbled.close()
+
+
+def test_a_variable_torch_sets_to_its_own_default_keeps_launches_warm():
+    # The first optimizer step in a kernel writes TORCHINDUCTOR_CACHE_DIR (its default) into os.environ:
+    # every later launch went cold for nothing. A different folder still means a cold launch.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from ddp_helpers.zygote import environment_mismatch
+
+    assert environment_mismatch({}, {"TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}) is None
+    assert "TORCHINDUCTOR_CACHE_DIR" in environment_mismatch({}, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/elsewhere"})

@@ -1,0 +1,116 @@
+"""Lesson 3: the exercise checker names the script's mistake as given, passes the solution shown
+(hidden) in the notebook, and refuses wrong fixes for what the ranks did and wrote; the collective
+counter behind the lesson's communication evidence counts calls and bytes exactly. The scripts are
+taken from the notebook itself."""
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from ddp_helpers.lessons.lesson3 import check_checkpoint_exercise
+from support import failure_report, run_on_cpu
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "03_syncbn_and_sharded_state.ipynb"
+GIVEN_SAVE = """if rank == 0:
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, "checkpoint.pt")
+dist.destroy_process_group()
+"""
+
+
+def exercise_sources() -> tuple[str, str]:
+    """(the exercise as given, the exercise with the solution's last lines)."""
+    cells = nbformat.read(NOTEBOOK, as_version=4).cells
+    given = next(c.source for c in cells if c.source.startswith("%%torchrun --name exercise")).split("\n", 1)[1] + "\n"
+    solution_cell = next(c.source for c in cells if c.cell_type == "markdown" and "Show the solution" in c.source)
+    assert "<details>" in solution_cell, "the solution must be hidden by default"
+    solution = re.search(r"```python\n(.*?)```", solution_cell, flags=re.S).group(1)
+    assert given.endswith(GIVEN_SAVE)
+    return given, given.replace(GIVEN_SAVE, solution)
+
+
+SOURCES = exercise_sources()
+WRONG_FIXES = {
+    "dcp.save on rank 0 only": (
+        SOURCES[1].replace("model_state, optimizer_state = get_state_dict(model, optimizer)\ndcp.save",
+                           "if rank == 0:\n    model_state, optimizer_state = get_state_dict(model, optimizer)\n    dcp.save"),
+        "waited in dcp.save for the other ranks, and rank(s) [1] never came"),
+    "every rank its own torch.save file": (
+        SOURCES[0].replace('if rank == 0:\n    torch.save(', 'if True:\n    torch.save(').replace(
+            '"checkpoint.pt"', 'f"checkpoint{rank}.pt"'),
+        "ranks [0, 1] each wrote their own file"),
+    "rank 0 gathers the whole model": (
+        SOURCES[0].replace(GIVEN_SAVE, """from torch.distributed.checkpoint.state_dict import StateDictOptions
+full_model, full_optimizer = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+if rank == 0:
+    torch.save({"model": full_model, "optimizer": full_optimizer}, "checkpoint.pt")
+dist.destroy_process_group()
+"""),
+        "rank 0 gathered the whole model into checkpoint.pt"),
+    "the model without the optimizer": (
+        SOURCES[1].replace('{"model": model_state, "optimizer": optimizer_state}', '{"model": model_state}'),
+        "the checkpoint has no optimizer state"),
+    "saved before training": (
+        SOURCES[0].replace(GIVEN_SAVE, "dist.destroy_process_group()\n").replace(
+            "for step in range(5):",
+            'dcp.save(dict(zip(("model", "optimizer"), get_state_dict(model, optimizer))), checkpoint_id="checkpoint")\n'
+            "for step in range(5):"),
+        "are not the model's after its 5 training steps"),
+}
+
+
+def test_the_given_script_has_its_mistake_named_without_the_fix(write_script):
+    run = run_on_cpu(write_script("exercise", SOURCES[0]), nproc=2, stream=False)
+    assert run.ok, failure_report(run)
+    report = check_checkpoint_exercise(run)
+    text = str(report)
+    assert not report.passed
+    assert "checkpoint.pt, written by rank 0 alone, holds sharded tensors (DTensors)" in text
+    assert "dcp" not in text and "get_state_dict" not in text, "hints must not give the fix"
+
+
+def test_the_solution_passes(write_script):
+    run = run_on_cpu(write_script("exercise", SOURCES[1]), nproc=2, stream=False)
+    assert run.ok, failure_report(run)
+    report = check_checkpoint_exercise(run)
+    assert report.passed, str(report)
+    assert "every rank wrote its own shard of checkpoint/" in str(report)
+
+
+@pytest.mark.parametrize("wrong_fix", list(WRONG_FIXES))
+def test_a_wrong_fix_does_not_pass(write_script, wrong_fix):
+    source, named = WRONG_FIXES[wrong_fix]
+    assert source not in SOURCES, "the wrong fix must change the script"
+    run = run_on_cpu(write_script("exercise", source), nproc=2, stream=False, timeout_s=30)
+    report = check_checkpoint_exercise(run)
+    assert not report.passed, failure_report(run)
+    assert named in str(report), str(report) + "\n" + failure_report(run)
+
+
+def test_collectives_are_counted_with_their_bytes(write_script):
+    script = write_script("count", """
+        import torch
+        import torch.distributed as dist
+        from ddp_helpers import record
+        from ddp_helpers.comm import bytes_received_per_rank, count_collectives
+
+        dist.init_process_group("gloo")
+        world = dist.get_world_size()
+        with count_collectives() as comm:
+            dist.all_reduce(torch.ones(100))                                   # 400 bytes
+            dist.all_reduce(torch.ones(10, dtype=torch.float64))               # 80
+            whole = torch.empty(6 * world)
+            dist.all_gather_into_tensor(whole, torch.ones(6))                  # the whole: 24 * world
+            dist.broadcast(torch.ones(3), src=0)                               # 12
+            torch.ones(5) + 1                                                  # not a collective
+        record("summary", comm.summary())
+        record("received", bytes_received_per_rank(comm.summary(), world))
+        dist.destroy_process_group()
+    """)
+    run = run_on_cpu(script, nproc=2, stream=False)
+    assert run.ok, failure_report(run)
+    assert run.ranks[1].facts["summary"] == {
+        "all_reduce": {"calls": 2, "bytes": 480}, "all_gather": {"calls": 1, "bytes": 48},
+        "broadcast": {"calls": 1, "bytes": 12}}
+    assert run.ranks[1].facts["received"] == {"all_reduce": 480.0, "all_gather": 24.0, "broadcast": 6.0}

@@ -114,3 +114,17 @@ def test_collectives_are_counted_with_their_bytes(write_script):
         "all_reduce": {"calls": 2, "bytes": 480}, "all_gather": {"calls": 1, "bytes": 48},
         "broadcast": {"calls": 1, "bytes": 12}}
     assert run.ranks[1].facts["received"] == {"all_reduce": 480.0, "all_gather": 24.0, "broadcast": 6.0}
+
+
+def test_other_correct_saves_pass_too(write_script, tmp_path):
+    # The model and the optimizer in two DCP folders, written where the learner chose to work (--cwd).
+    apart = SOURCES[0].replace(GIVEN_SAVE, """model_state, optimizer_state = get_state_dict(model, optimizer)
+dcp.save(model_state, checkpoint_id="model")
+dcp.save(optimizer_state, checkpoint_id="optimizer")
+dist.destroy_process_group()
+""")
+    (tmp_path / "work").mkdir()
+    run = run_on_cpu(write_script("exercise", apart), nproc=2, stream=False, cwd=tmp_path / "work")
+    assert run.ok, failure_report(run)
+    report = check_checkpoint_exercise(run)
+    assert report.passed, str(report)

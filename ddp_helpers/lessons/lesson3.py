@@ -101,20 +101,23 @@ def check_checkpoint_exercise(run: RunResult) -> ExerciseReport:
     if not run.ok:
         report.mistakes.append("the run failed; fix the error shown above first")
         return report
-    written = {r.rank: [Path(p) for p in r.files_written if Path(p).is_relative_to(run.run_dir)] for r in run.ranks}
-    metadata = sorted({p.parent for paths in written.values() for p in paths if p.name == ".metadata"})
-    if not metadata:
+    # What the ranks wrote where the run works (its folder, or --cwd), as the launcher saw it.
+    places = {run.run_dir.resolve(), run.config.working_dir.resolve()}
+    written = {r.rank: [Path(p) for p in r.files_written if any(Path(p).is_relative_to(d) for d in places)]
+               for r in run.ranks}
+    folders = sorted({p.parent for paths in written.values() for p in paths if p.name == ".metadata"})
+    if not folders:
         _judge_plain_files(run, written, report)
         return report
-    folder = metadata[-1]
-    shards = {rank for rank, paths in written.items() for p in paths if p.parent == folder and p.suffix == ".distcp"}
-    missing = sorted(set(range(len(run.ranks))) - shards)
-    if missing:
-        report.mistakes.append(f"ranks {missing} wrote no shard of {folder.name}/: each rank should write its own")
-    else:
-        report.confirmed.append(f"every rank wrote its own shard of {folder.name}/ (seen by the launcher), "
-                                "rank 0 the metadata too")
-    _judge_contents(folder, len(run.ranks), report)
+    for folder in folders:
+        shards = {rank for rank, paths in written.items() for p in paths if p.parent == folder and p.suffix == ".distcp"}
+        missing = sorted(set(range(len(run.ranks))) - shards)
+        if missing:
+            report.mistakes.append(f"ranks {missing} wrote no shard of {folder.name}/: each rank should write its own")
+            return report
+    names = ", ".join(f"{folder.name}/" for folder in folders)
+    report.confirmed.append(f"every rank wrote its own shard of {names} (seen by the launcher), rank 0 the metadata too")
+    _judge_contents(folders, len(run.ranks), report)
     return report
 
 
@@ -190,25 +193,29 @@ def _find(value, wanted):
     return None
 
 
-def _judge_contents(folder: Path, world_size: int, report: ExerciseReport) -> None:
-    """Load the checkpoint here, in one process, and compare it with the same training done here."""
+def _judge_contents(folders: list[Path], world_size: int, report: ExerciseReport) -> None:
+    """Load the checkpoint (one DCP folder, or several: say the model and the optimizer apart) here, in one
+    process, and compare it with the same training done here."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    state = {}
     with tempfile.TemporaryDirectory() as scratch:
-        try:
-            dcp_to_torch_save(folder, Path(scratch) / "whole.pt")
-            # DCP's metadata is pickled: this loads only the learner's own checkpoint, written by this run.
-            state = torch.load(Path(scratch) / "whole.pt", map_location="cpu", weights_only=False)
-        except Exception as error:  # noqa: BLE001
-            report.mistakes.append(f"{folder.name}/ could not be read back ({type(error).__name__}: "
-                                   f"{(str(error).splitlines() or [''])[0][:160]})")
-            return
+        for number, folder in enumerate(folders):
+            try:
+                dcp_to_torch_save(folder, Path(scratch) / f"{number}.pt")
+                # DCP's metadata is pickled: this loads only the learner's own checkpoint, written by this run.
+                state[str(number)] = torch.load(Path(scratch) / f"{number}.pt", map_location="cpu", weights_only=False)
+            except Exception as error:  # noqa: BLE001
+                report.mistakes.append(f"{folder.name}/ could not be read back ({type(error).__name__}: "
+                                       f"{(str(error).splitlines() or [''])[0][:160]})")
+                return
+    where = ", ".join(f"{folder.name}/" for folder in folders)
     reference, reference_optimizer = exercise_reference(world_size)
     expected = reference.state_dict()
     model_state = _find(state, lambda d: set(expected) <= set(d))
     if model_state is None:
-        report.mistakes.append(f"{folder.name}/ holds no model state_dict (with keys {sorted(expected)})")
+        report.mistakes.append(f"{where} holds no model state_dict (with keys {sorted(expected)})")
     else:
         loaded = {name: model_state[name] for name in expected}
         wrong = [n for n in expected if loaded[n].shape != expected[n].shape

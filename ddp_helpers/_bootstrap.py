@@ -34,7 +34,7 @@ import traceback
 import types
 
 from .processes import die_with_parent
-from .run_folder import AGENT_PID_ENV, RunFolder
+from .run_folder import AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, RunFolder
 
 _BUFFERED_FILE_TYPES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 _open_stack_file = None  # kept alive: faulthandler writes into it from its signal handler
@@ -189,7 +189,15 @@ def main() -> None:
     folder = RunFolder.from_environment()
     if folder is not None:
         _redirect_output(folder, rank)
-        folder.write_json(folder.rank_file(rank, "pid"), {"rank": rank, "pid": os.getpid()})
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        folder.write_json(folder.rank_file(rank, "pid"), {
+            "rank": rank, "pid": os.getpid(), "agent": int(os.environ.get(AGENT_ENV, "0")),
+            "group_rank": int(os.environ.get("GROUP_RANK", "0")), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+            "restart": restart,
+        })
+        if restart:  # the same rank's output goes on in the same files: mark where this attempt begins
+            for stream in (sys.stdout, sys.stderr):
+                print(f"{ATTEMPT_MARK} restart {restart}: attempt {restart + 1} of rank {rank} begins", file=stream)
         folder.rank_file(rank, "error.json").unlink(missing_ok=True)  # an earlier attempt's, before a restart
         _open_stack_file = open(folder.rank_file(rank, "stack"), "w")
     faulthandler.enable()

@@ -28,6 +28,7 @@ from .errors import LaunchError
 # Below nbmake's 300 s per-cell limit, so that the launcher's own cleanup runs before nbmake kills the kernel.
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_CPU_NPROC = 2
+MAX_NNODES = 8
 BACKENDS = ("gloo", "nccl")
 # Variables the launcher sets itself (or torchrun sets per rank): extra_env may not override them.
 RESERVED_ENV_PREFIXES = ("DDP_HELPERS_", "TORCHELASTIC_")
@@ -108,6 +109,10 @@ class LaunchConfig:
         cwd (Path | None): the ranks' working directory; None: the run folder.
         max_restarts (int): how many times torchrun restarts all ranks after one fails (its
             --max-restarts); 0: a failure ends the run.
+        nnodes (int): torchrun agents, each standing for one machine, on this machine's loopback; each
+            starts `nproc` ranks, and they meet through one c10d rendezvous: a world of nnodes x nproc.
+        kill_rank (int | None), kill_after (str | None): SIGKILL global rank `kill_rank`, once, as soon as
+            its output contains `kill_after` (as the out-of-memory killer would): for fault-tolerance demos.
         warm (bool): fork the supervisor and the ranks from a process that has torch imported (see
             `warm`), where that gives the same result; False always starts fresh interpreters.
         extra_env (Mapping[str, str]): environment variables added for every rank.
@@ -128,10 +133,17 @@ class LaunchConfig:
     cwd: Path | None = None
     warm: bool = True
     max_restarts: int = 0
+    nnodes: int = 1
+    kill_rank: int | None = None
+    kill_after: str | None = None
 
     @property
     def working_dir(self) -> Path:
         return self.cwd or self.run_dir
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
 
     def __post_init__(self) -> None:
         # Freeze the environment mapping too, so a config can be shared without surprises.
@@ -156,6 +168,29 @@ def parse_nproc(value: object) -> int:
             f"{max_cpu_ranks()} ranks here, each one a Python process with torch). Example: --nproc 2"
         )
     return nproc
+
+
+def parse_nnodes(value: object) -> int:
+    """torchrun agents ("machines") to start on loopback: a whole number from 1 to MAX_NNODES."""
+    text = str(value).strip() if not isinstance(value, bool) else repr(value)
+    if not re.fullmatch(r"\d+", text) or not 1 <= int(text) <= MAX_NNODES:
+        raise LaunchError(f"nnodes must be a whole number of agents from 1 to {MAX_NNODES}, got {value!r}. "
+                          "Example: --nnodes 2 (two agents standing for two machines)")
+    return int(text)
+
+
+def parse_kill(rank: object, after: object, world_size: int) -> tuple[int | None, str | None]:
+    if rank is None and after is None:
+        return None, None
+    if rank is None or after is None:
+        raise LaunchError("kill_rank and kill_after go together: which rank to kill, and the output text after "
+                          "which to kill it. Example: --kill-rank 1 --kill-after 'step 5 done'")
+    text = str(rank).strip() if not isinstance(rank, bool) else repr(rank)
+    if not re.fullmatch(r"\d+", text) or int(text) >= world_size:
+        raise LaunchError(f"kill_rank must be a rank of this run, 0 to {world_size - 1}, got {rank!r}.")
+    if not isinstance(after, str) or not after.strip() or "\n" in after:
+        raise LaunchError(f"kill_after must be a non-empty line of text the rank prints, got {after!r}.")
+    return int(text), after
 
 
 def parse_timeout(value: object) -> float:
@@ -206,6 +241,9 @@ def make_launch_config(
     stream: bool = True,
     cold: bool = False,
     max_restarts: int = 0,
+    nnodes: int | str = 1,
+    kill_rank: int | str | None = None,
+    kill_after: str | None = None,
     hardware: Hardware | None = None,
 ) -> LaunchConfig:
     """Validate a launch request and fill in its defaults from the hardware present.
@@ -229,6 +267,10 @@ def make_launch_config(
             --max-restarts). Each restart runs the script from the start: it must resume from its own
             snapshot. Warning: torch's agent keeps the dead ranks' addresses in its store, and a restart
             can then fail to connect; the launcher sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to avoid it.
+        nnodes: torchrun agents on this machine's loopback, each standing for a machine with `nproc` ranks
+            (torchrun's --nnodes, with a c10d rendezvous); with nccl, each agent gets its own GPUs.
+        kill_rank, kill_after: SIGKILL global rank `kill_rank` once, when its output first contains the
+            text `kill_after` (say "step 5 done"): a worker lost mid-training, for restart demos.
         hardware: the devices to plan for; detected when omitted.
 
     Raises:
@@ -253,25 +295,31 @@ def make_launch_config(
         if not working_dir.is_dir():
             raise LaunchError(f"cwd {working_dir} is not a folder. Example: cwd='.' for the notebook's folder.")
 
+    nnodes = parse_nnodes(nnodes)
     hardware = hardware or detect_hardware()
     if backend is None:
         wanted = DEFAULT_CPU_NPROC if nproc is None else parse_nproc(nproc)
-        backend = hardware.default_backend if nproc is None else ("nccl" if wanted <= hardware.gpu_count else "gloo")
+        backend = (hardware.default_backend if nproc is None
+                   else ("nccl" if wanted * nnodes <= hardware.gpu_count else "gloo"))
     if backend == "nccl" and hardware.gpu_count == 0:
         raise LaunchError(
             "backend 'nccl' needs CUDA GPUs and none was found. Use backend='gloo' (magic: --backend gloo) "
             "to run the ranks as CPU processes."
         )
     if nproc is None:
-        nproc = hardware.gpu_count if backend == "nccl" else DEFAULT_CPU_NPROC
+        nproc = max(1, hardware.gpu_count // nnodes) if backend == "nccl" else DEFAULT_CPU_NPROC
     nproc = parse_nproc(nproc)
     if backend == "nccl":
-        if nproc > hardware.gpu_count:
+        if nproc * nnodes > hardware.gpu_count:
             raise LaunchError(
-                f"{nproc} ranks asked for but only {hardware.gpu_count} GPU(s) found: with nccl each rank needs "
-                f"its own GPU. Use nproc <= {hardware.gpu_count}, or backend='gloo' (magic: --backend gloo) "
-                "to run the ranks as CPU processes."
+                f"{nproc * nnodes} ranks asked for but only {hardware.gpu_count} GPU(s) found: with nccl each rank "
+                f"needs its own GPU. Use nproc x nnodes <= {hardware.gpu_count}, or backend='gloo' (magic: "
+                "--backend gloo) to run the ranks as CPU processes."
             )
+    if nproc * nnodes > max_cpu_ranks():
+        raise LaunchError(f"{nnodes} agents x {nproc} ranks is more processes than this machine can run (at most "
+                          f"{max_cpu_ranks()} ranks here). Example: --nnodes 2 --nproc 2")
+    kill_rank, kill_after = parse_kill(kill_rank, kill_after, nproc * nnodes)
 
     if backend == "gloo" and hardware.gpu_count:
         # CPU ranks on a GPU machine: hide the GPUs so `torch.cuda.is_available()` picks the CPU path.
@@ -288,4 +336,7 @@ def make_launch_config(
         cwd=working_dir,
         warm=not cold,
         max_restarts=max_restarts,
+        nnodes=nnodes,
+        kill_rank=kill_rank,
+        kill_after=kill_after,
     )

@@ -44,7 +44,7 @@ from .output import RankOutputStreamer
 from .processes import kill_marked, kill_process_groups, process_is_dead, stop_process_group
 from .readback import collect_result
 from .result import RunResult
-from .run_folder import RUN_DIR_ENV, RUN_ID_ENV, RunFolder
+from .run_folder import AGENT_GPUS_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder
 from . import warm
 from .warm import WarmProcess, warm_zygote
 
@@ -72,10 +72,16 @@ def child_environment(config: LaunchConfig, run_id: str, base: dict[str, str] | 
     }
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets 1 thread per rank anyway (and warns)
     env["MPLBACKEND"] = "Agg"  # ranks have no display; the kernel's inline backend would drag IPython in
-    if config.max_restarts:
+    if config.max_restarts or config.nnodes > 1:
         # Without it the agent's shared store keeps the dead ranks' addresses and restarts fail to connect
-        # (pytorch issues 135712, 167288): 7 of 10 restarts failed here, 0 of 12 with it.
+        # (pytorch issues 135712, 167288): 7 of 10 restarts failed here, 0 of 12 with it. Agents joining
+        # or leaving a rendezvous need it too.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if config.nnodes > 1 and config.backend == "nccl":
+        # Each agent stands for a machine with its own GPUs: agent k gets the k-th nproc of them.
+        visible = (env.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(config.world_size)))).split(",")
+        env[AGENT_GPUS_ENV] = ";".join(",".join(visible[k * config.nproc:(k + 1) * config.nproc])
+                                       for k in range(config.nnodes))
     env.update(config.extra_env)
     package_parent = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
@@ -99,7 +105,9 @@ def supervisor_arguments(config: LaunchConfig, parent_pid: int, zygote_socket: s
         worker = ["--no-python", sys.executable, "-S", "-u", _STUB, zygote_socket, *worker]
     return [
         str(parent_pid), str(SHUTDOWN_GRACE_S), "--",
-        "--standalone", "--nnodes", "1",
+        # One agent: --standalone (the OS picks the rendezvous port). Several: the supervisor adds a c10d
+        # rendezvous on a store it hosts.
+        *(["--standalone", "--nnodes", "1"] if config.nnodes == 1 else ["--nnodes", str(config.nnodes)]),
         "--nproc-per-node", str(config.nproc),
         "--max-restarts", str(config.max_restarts),
         "--monitor-interval", "0.1",
@@ -163,7 +171,8 @@ def _launch_in(config: LaunchConfig, folder: RunFolder) -> RunResult:
     run_id = uuid.uuid4().hex
     folder.start_launch(run_id)
     color = sys.stdout.isatty() or "ipykernel" in sys.modules
-    streamer = RankOutputStreamer(folder, config.nproc, enabled=config.stream, color=color)
+    streamer = RankOutputStreamer(folder, config.world_size, enabled=config.stream, color=color)
+    killer = RankKiller(config, folder) if config.kill_rank is not None else None
     start = time.monotonic()
     timed_out = False
     with open(folder.path / "torchrun.log", "wb") as log:
@@ -172,17 +181,40 @@ def _launch_in(config: LaunchConfig, folder: RunFolder) -> RunResult:
             deadline = start + config.timeout_s
             while proc.poll() is None:
                 streamer.poll()
+                if killer is not None:
+                    killer.poll()
                 if time.monotonic() > deadline:
                     timed_out = True
                     _dump_stacks_of_live_ranks(config, folder, streamer)
                     break
                 time.sleep(_POLL_INTERVAL_S)
         finally:  # normal end, timeout, KeyboardInterrupt (stop button) or any error: nothing of the run survives
-            _stop_run(proc, run_id, streamer, folder, config.nproc)
+            _stop_run(proc, run_id, streamer, folder, config.world_size)
     return collect_result(
         config, folder, returncode=proc.returncode, wall_time_s=time.monotonic() - start,
         timed_out=timed_out,
     )
+
+
+class RankKiller:
+    """SIGKILLs `config.kill_rank` once, as soon as its first attempt has printed `config.kill_after`."""
+
+    def __init__(self, config: LaunchConfig, folder: RunFolder):
+        self._rank, self._text, self._folder = config.kill_rank, config.kill_after, folder
+        self.done = False
+
+    def poll(self) -> None:
+        if self.done or self._text not in self._folder.read_text(self._folder.rank_file(self._rank, "stdout")):
+            return
+        identity = self._folder.rank_identity(self._rank)
+        if identity.get("restart", 0) == 0 and identity.get("pid"):
+            print(f"[ddp_helpers] killing rank {self._rank} (SIGKILL, as the out-of-memory killer would): it printed "
+                  f"{self._text!r}", file=sys.stderr, flush=True)
+            try:
+                os.kill(identity["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.done = True
 
 
 def _stop_run(proc, run_id: str, streamer: RankOutputStreamer, folder: RunFolder, nproc: int) -> None:
@@ -214,7 +246,7 @@ def _dump_stacks_of_live_ranks(config: LaunchConfig, folder: RunFolder, streamer
         flush=True,
     )
     asked = []
-    for rank in range(config.nproc):
+    for rank in range(config.world_size):
         pid = folder.rank_pid(rank)
         if pid is None or process_is_dead(pid):
             continue

@@ -57,6 +57,14 @@ class TorchrunMagics(Magics):
                    "process that has torch imported, when that gives the same result)")
     @argument("--max-restarts", default=0, type=int,
               help="restart every rank up to this many times after one fails (torchrun's --max-restarts; default 0)")
+    @argument("--nnodes", default=1,
+              help="torchrun agents, each standing for a machine with --nproc ranks, on this machine's loopback "
+                   "(one c10d rendezvous; default 1)")
+    @argument("--kill-rank", default=None,
+              help="SIGKILL this (global) rank once, as the out-of-memory killer would, when its output first "
+                   "contains --kill-after: to see a restart (--max-restarts) for real")
+    @argument("--kill-after", default=None,
+              help="the text (quoted) after which --kill-rank is killed, e.g. --kill-after 'step 5 done'")
     @argument("--may-fail", action="store_true",
               help="a failed run is shown (its summary and traceback) but does not stop the notebook: for "
                    "cells that demonstrate a failure; the result is in --out")
@@ -91,7 +99,8 @@ class TorchrunMagics(Magics):
                 write_cell_script(cell, script, origin=notebook.name if notebook else "notebook.ipynb", name=name)
                 config = make_launch_config(
                     script, nproc=args.nproc, backend=args.backend, timeout_s=args.timeout, run_dir=run_dir,
-                    cwd=args.cwd, cold=args.cold, max_restarts=args.max_restarts,
+                    cwd=args.cwd, cold=args.cold, max_restarts=args.max_restarts, nnodes=args.nnodes,
+                    kill_rank=args.kill_rank, kill_after=_unquoted(args.kill_after),
                 )
             except LaunchError as error:
                 raise UsageError(str(error)) from None
@@ -103,6 +112,13 @@ class TorchrunMagics(Magics):
         if not run.ok:
             raise RunFailedInCell(run)
         print(run.summary().splitlines()[0] + f"  (result in `{args.out}`)")
+
+
+def _unquoted(text: str | None) -> str | None:
+    """IPython's argument parser keeps the quotes around a quoted option value: drop them."""
+    if text and len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
 
 
 def register(ipython) -> None:

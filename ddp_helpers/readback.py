@@ -65,7 +65,8 @@ def collect_result(
     failures = {int(rank): seen for rank, seen in (outcome.get("failures") or {}).items()}
     died_at = {int(rank): t for rank, t in (outcome.get("died_at") or {}).items()}
     ranks = []
-    for rank in range(config.nproc):
+    for rank in range(config.world_size):
+        identity = folder.rank_identity(rank)
         error = folder.read_own_json(folder.rank_file(rank, "error.json"))
         seen = failures.get(rank)
         if finished:
@@ -88,12 +89,16 @@ def collect_result(
                 ended_at=error["time"] if error else died_at.get(rank),
                 unreadable_facts=unreadable,
                 files_written=tuple((folder.read_own_json(folder.rank_file(rank, "writes.json")) or {}).get("files", ())),
+                agent=identity.get("agent"),
+                group_rank=identity.get("group_rank"),
+                local_rank=identity.get("local_rank"),
+                restart=identity.get("restart", 0),
             )
         )
     root = find_root_cause(ranks)
     if root is not None:
         ranks[root.rank] = replace(root, root_cause=True)
-    devices = tuple(f"cuda:{r}" if config.backend == "nccl" else "cpu" for r in range(config.nproc))
+    devices = tuple(f"cuda:{r}" if config.backend == "nccl" else "cpu" for r in range(config.world_size))
     return RunResult(
         config=config,
         ranks=tuple(ranks),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import LaunchConfig
+from .run_folder import ATTEMPT_MARK
 
 
 def _signal_name(number: int) -> str:
@@ -44,6 +46,10 @@ class RankResult:
         root_cause: this rank failed first; the others were stopped because of it.
         files_written: absolute paths of the files the rank's script opened for writing or renamed into
             place (seen by the launcher, not reported by the script); empty if the rank did not end normally.
+        agent: which of the run's torchrun agents started it (0 .. nnodes - 1; None if it never started).
+        group_rank, local_rank: its agent's place in the rendezvous (GROUP_RANK), and its LOCAL_RANK there.
+        restart: the restart count (TORCHELASTIC_RESTART_COUNT) of its latest attempt: 0 if never restarted.
+            `attempts` splits its stdout by attempt.
     """
 
     rank: int
@@ -56,6 +62,17 @@ class RankResult:
     unreadable_facts: dict = field(default_factory=dict)
     root_cause: bool = False
     files_written: tuple[str, ...] = ()
+    agent: int | None = None
+    group_rank: int | None = None
+    local_rank: int | None = None
+    restart: int = 0
+
+    @property
+    def attempts(self) -> list[str]:
+        """Its stdout, one string per attempt (after a restart the rank's output goes on in the same file,
+        from a line starting with ATTEMPT_MARK)."""
+        parts = re.split(rf"^{re.escape(ATTEMPT_MARK)} .*\n", self.stdout, flags=re.M)
+        return parts
 
     @property
     def status(self) -> str:
@@ -139,6 +156,11 @@ class RunResult:
         return self.returncode == 0 and not self.timed_out and all(r.exit_code == 0 for r in self.ranks)
 
     @property
+    def restarts(self) -> int:
+        """How many times torchrun restarted the ranks (0: never)."""
+        return max((r.restart for r in self.ranks), default=0)
+
+    @property
     def first_failure(self) -> RankResult | None:
         """The rank that failed first: the root cause when one failure set off others."""
         return find_root_cause(self.ranks)
@@ -155,8 +177,10 @@ class RunResult:
         return [r.facts[name] for r in self.ranks]
 
     def summary(self) -> str:
+        agents = f" on {self.config.nnodes} agents" if self.config.nnodes > 1 else ""
+        restarted = f", restarted {self.restarts} time(s)" if self.restarts else ""
         lines = [
-            f"{len(self.ranks)} rank(s), backend {self.backend}, {self.wall_time_s:.1f} s: "
+            f"{len(self.ranks)} rank(s){agents}, backend {self.backend}, {self.wall_time_s:.1f} s{restarted}: "
             + ("all ranks finished" if self.ok else "FAILED")
         ]
         if self.timed_out:

@@ -5,10 +5,12 @@
         .lock                        held (flock) by the launch in progress; a second launch is refused
         rank0.stdout, rank0.stderr   what rank 0 printed, capped (the first and last OUTPUT_KEEP_BYTES
                                      of each stream, with a line saying how much was dropped)
-        rank0.pid                    {"run_id", "pid"}: for stack dumps on timeout
+        rank0.pid                    {"run_id", "pid", "agent", "group_rank", "local_rank", "restart"}: for
+                                     stack dumps on timeout, and which agent and attempt the rank is
         rank0.error.json             the exception that ended rank 0, with its time, if any
         facts/rank0/<name>.json|.pt  values recorded with `ddp_helpers.record`
-        outcome.json                 how each rank ended, as the torchrun agent saw it (the supervisor writes it)
+        outcome.json                 how each rank ended, as the torchrun agents saw it (the supervisor writes it)
+        agent1.outcome.json          the same, from each further agent (--nnodes), merged into outcome.json
         torchrun.log                 the agent's own output
 
 Writer half (ranks; stays light, no torch import): `RunFolder.from_environment()`, `rank_file`,
@@ -25,6 +27,7 @@ Environment variables set by the launcher for every rank:
     DDP_HELPERS_RUN_DIR   the run folder
     DDP_HELPERS_RUN_ID    a marker unique to the launch, used to tie files to it and to find its processes
     DDP_HELPERS_AGENT_PID the torchrun agent's pid: a rank whose parent is already gone exits at once
+    DDP_HELPERS_AGENT     which of the run's agents started the rank (0 .. nnodes - 1)
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ from .errors import LaunchError
 RUN_DIR_ENV = "DDP_HELPERS_RUN_DIR"
 RUN_ID_ENV = "DDP_HELPERS_RUN_ID"
 AGENT_PID_ENV = "DDP_HELPERS_AGENT_PID"
+# Which of the run's torchrun agents ("machines") started a rank, and the GPUs each agent may use.
+AGENT_ENV = "DDP_HELPERS_AGENT"
+AGENT_GPUS_ENV = "DDP_HELPERS_AGENT_GPUS"
+# Starts the line a restarted rank prints first, in stdout and stderr: where its new attempt begins.
+ATTEMPT_MARK = "[ddp_helpers] ---"
 MARKER_NAME = ".ddp_helpers-run"
 LOCK_NAME = ".lock"
 # Per rank and stream: the first and the last this many bytes are kept (and shown); the middle is dropped.
@@ -207,6 +215,10 @@ class RunFolder:
     def rank_pid(self, rank: int) -> int | None:
         found = self.read_own_json(self.rank_file(rank, "pid"))
         return found.get("pid") if found else None
+
+    def rank_identity(self, rank: int) -> dict:
+        """What the rank's latest attempt wrote about itself: agent, group_rank, local_rank, restart."""
+        return self.read_own_json(self.rank_file(rank, "pid")) or {}
 
     def rank_pids(self, nproc: int) -> list[int]:
         """The pids of the ranks that started (after a restart: of their latest attempt)."""

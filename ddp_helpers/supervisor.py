@@ -13,6 +13,13 @@ included, are read as objects, not parsed from its printed summary), and around 
   after SHUTDOWN_GRACE_S), then every process still carrying the run's marker is killed (a rank's own
   children: DataLoader workers, subprocesses); then it writes `outcome.json`.
 
+Several agents (`--nnodes N`, each standing for a machine, all on loopback): this process hosts the
+rendezvous store (a TCPStore on a port the OS picks), forks agents 1 .. N-1 (each dies with this one,
+and writes `agentK.outcome.json`), runs agent 0 itself, and they meet through
+torchrun's c10d rendezvous on that store. Output pipes, death watch and the final sweep cover every
+rank of the world. Each rank learns its agent from DDP_HELPERS_AGENT (and, on GPUs, each agent gets its
+own GPUs: DDP_HELPERS_AGENT_GPUS, "0,1;2,3").
+
 It outlives the kernel on purpose: when the kernel dies (even by SIGKILL) it gets SIGTERM (the
 parent-death signal) and cleans up. It lives in its own session, so the notebook's stop button
 (SIGINT to the kernel's process group) reaches only the kernel, which then stops the run through it.
@@ -20,6 +27,7 @@ parent-death signal) and cleans up. It lives in its own session, so the notebook
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import shutil
@@ -32,7 +40,7 @@ import traceback
 from .processes import (
     ARM_PARENT_DEATH_FAILED, arm_parent_death_signal, kill_marked, kill_process_groups, process_is_dead,
 )
-from .run_folder import AGENT_PID_ENV, OUTPUT_KEEP_BYTES, RUN_ID_ENV, RunFolder
+from .run_folder import AGENT_ENV, AGENT_GPUS_ENV, AGENT_PID_ENV, OUTPUT_KEEP_BYTES, RUN_ID_ENV, RunFolder
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -152,13 +160,13 @@ class DeathWatcher:
     def look(self) -> None:
         now = time.time()
         for rank in range(self._nproc):
-            if rank in self.died_at:
-                continue
-            pid = self._pids.get(rank) or self._folder.rank_pid(rank)
+            pid = self._folder.rank_pid(rank)
             if pid is None:
                 continue
-            self._pids[rank] = pid
-            if process_is_dead(pid):
+            if pid != self._pids.get(rank):  # a new attempt (after a restart): its death is what counts
+                self._pids[rank] = pid
+                self.died_at.pop(rank, None)
+            if rank not in self.died_at and process_is_dead(pid):
                 self.died_at[rank] = now
 
     def stop(self) -> None:
@@ -185,6 +193,114 @@ def _run_torchrun(argv: list[str]) -> dict:
         return {"succeeded": False, "stopped_by": signal.Signals(stopped.sigval).name}
 
 
+def _option(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def _agent_gpus(agent: int) -> str | None:
+    """The GPUs agent `agent` may use (CUDA_VISIBLE_DEVICES), when the launcher split them per agent."""
+    split = os.environ.get(AGENT_GPUS_ENV)
+    return split.split(";")[agent] if split else None
+
+
+class OtherAgents:
+    """Agents 1 .. N-1, forked from this process before it starts any thread (cheap: a warm supervisor
+    has torch imported already), each in a session of its own. They wait for their torchrun arguments
+    (which name the rendezvous store, made after the fork) on a pipe."""
+
+    def __init__(self, folder: RunFolder, nnodes: int):
+        self._folder = folder
+        self.pids: list[int] = []
+        self._argument_pipes: list[int] = []
+        self.exit_codes: dict[int, int] = {}
+        parent = os.getpid()
+        for agent in range(1, nnodes):
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                for other_write_end in (write_end, *self._argument_pipes):  # else an earlier agent's pipe never ends
+                    os.close(other_write_end)
+                code = 1
+                try:
+                    os.setsid()
+                    code = _run_other_agent(agent, parent, read_end, folder)
+                finally:
+                    os._exit(code)
+            os.close(read_end)
+            self.pids.append(pid)
+            self._argument_pipes.append(write_end)
+
+    def start(self, torchrun_argv: list[str]) -> None:
+        for write_end in self._argument_pipes:
+            os.write(write_end, json.dumps(torchrun_argv).encode())
+            os.close(write_end)
+        self._argument_pipes = []
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait for every agent to end; SIGTERM those still running after `timeout_s`, then SIGKILL."""
+        self.start([])  # agents never given arguments (this process is stopping) exit at once
+        for sig, wait in ((None, timeout_s), (signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+            alive = [pid for pid in self.pids if pid not in self.exit_codes]
+            for pid in alive:
+                if sig is not None:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+            until = time.monotonic() + wait
+            while alive and time.monotonic() < until:
+                for pid in alive:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        self.exit_codes[pid] = os.waitstatus_to_exitcode(status)
+                alive = [pid for pid in alive if pid not in self.exit_codes]
+                time.sleep(0.05)
+
+    def outcomes(self) -> list[dict]:
+        return [self._folder.read_own_json(self._folder.path / f"agent{agent}.outcome.json")
+                or {"succeeded": False, "agent_error": f"agent {agent} ended without a word (exit code "
+                                                        f"{self.exit_codes.get(pid)})"}
+                for agent, pid in enumerate(self.pids, start=1)]
+
+
+def _merge(outcomes: list[dict]) -> dict:
+    """One outcome for the run from every agent's."""
+    merged: dict = {"succeeded": all(o.get("succeeded") for o in outcomes)}
+    failures = {rank: f for o in outcomes for rank, f in (o.get("failures") or {}).items()}
+    if failures or any("failures" in o for o in outcomes):
+        merged["failures"] = failures
+    for key in ("stopped_by", "agent_error"):
+        found = [o[key] for o in outcomes if key in o]
+        if found:
+            merged[key] = found[0]
+    return merged
+
+
+def _run_other_agent(agent: int, parent_pid: int, argument_pipe: int, folder: RunFolder) -> int:
+    """In a forked child: agent `agent` of the run. Its parent (agent 0's supervisor) sweeps at the end."""
+    if arm_parent_death_signal(signal.SIGTERM, parent_pid) == ARM_PARENT_DEATH_FAILED:
+        return 1
+    with os.fdopen(argument_pipe, "rb") as pipe:
+        torchrun_argv = json.loads(pipe.read() or b"[]")
+    if not torchrun_argv:
+        return 1  # the supervisor stopped before the rendezvous was set up
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    os.environ[AGENT_ENV] = str(agent)
+    if _agent_gpus(agent) is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = _agent_gpus(agent)
+    try:
+        outcome = _run_torchrun(torchrun_argv)
+    except _Stopped as stopped:
+        outcome = {"succeeded": False, "stopped_by": str(stopped)}
+    except BaseException as error:  # noqa: BLE001 - the agent itself failed: say so
+        traceback.print_exc()
+        outcome = {"succeeded": False, "agent_error": f"{type(error).__name__}: {error}"}
+    folder.write_json(folder.path / f"agent{agent}.outcome.json", outcome)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return 0 if outcome.get("succeeded") else 1
+
+
 def main(argv: list[str]) -> int:
     for signum in _STOP_SIGNALS:
         signal.signal(signum, _raise_stopped)
@@ -194,15 +310,32 @@ def main(argv: list[str]) -> int:
     if arm_parent_death_signal(signal.SIGTERM, int(parent_pid)) == ARM_PARENT_DEATH_FAILED:
         return 1  # the kernel died before we were ready: nothing was started
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    os.environ[AGENT_ENV] = "0"
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(float(grace_s)))
     folder = RunFolder.from_environment()
-    nproc = int(torchrun_argv[torchrun_argv.index("--nproc-per-node") + 1])
+    nnodes = int(_option(torchrun_argv, "--nnodes"))
+    world_size = int(_option(torchrun_argv, "--nproc-per-node")) * nnodes
     outcome: dict = {"succeeded": False}
-    pipes = watcher = None
+    pipes = watcher = others = store = None
     try:
-        pipes = OutputPipes(folder, nproc)
-        watcher = DeathWatcher(folder, nproc)
+        if nnodes > 1:
+            others = OtherAgents(folder, nnodes)  # forked first, while this process has a single thread
+        pipes = OutputPipes(folder, world_size)
+        watcher = DeathWatcher(folder, world_size)
+        if nnodes > 1:
+            from torch.distributed import TCPStore
+
+            # Hosted here for every agent: its port is chosen by the OS, so launches never collide.
+            store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            torchrun_argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}",
+                             "--rdzv-id", os.environ[RUN_ID_ENV], "--rdzv-conf", "is_host=false", *torchrun_argv]
+            if _agent_gpus(0) is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = _agent_gpus(0)
+            others.start(torchrun_argv)
         outcome = _run_torchrun(torchrun_argv)
+        if others is not None:
+            others.wait(timeout_s=float(grace_s) + 2)
+            outcome = _merge([outcome, *others.outcomes()])
     except _Stopped as stopped:
         outcome = {"succeeded": False, "stopped_by": str(stopped)}
     except BaseException as error:  # noqa: BLE001 - the agent itself failed: say so, still clean up
@@ -211,13 +344,16 @@ def main(argv: list[str]) -> int:
     finally:
         for signum in _STOP_SIGNALS:  # cleanup is not to be interrupted; the launcher's last resort is SIGKILL
             signal.signal(signum, signal.SIG_IGN)
+        if others is not None:
+            others.wait(timeout_s=float(grace_s))  # stopped: they stop their ranks, then we sweep
         kill_marked(os.environ[RUN_ID_ENV], RUN_ID_ENV)
-        kill_process_groups(folder.rank_pids(nproc))
+        kill_process_groups(folder.rank_pids(world_size))
         if watcher is not None:
             watcher.stop()
             outcome["died_at"] = watcher.died_at
         if pipes is not None:
             pipes.close()
+        del store
         shutil.rmtree(folder.path / "pipes", ignore_errors=True)
         shutil.rmtree(folder.path / "torchelastic", ignore_errors=True)
         for stack in folder.path.glob("rank*.stack"):

@@ -28,11 +28,11 @@ LAUNCHING_PROCESS = textwrap.dedent(
     from ddp_helpers import launch, make_launch_config, warm
     from ddp_helpers.config import Hardware
     from ddp_helpers.launcher import prepare_warm_launches
-    script, marker, run_dir, nproc, how = sys.argv[1:6]
+    script, marker, run_dir, nproc, how, nnodes = sys.argv[1:7]
     if how == "warm":
         assert prepare_warm_launches(), "the warm process did not start"
         print("ZYGOTE", warm._ZYGOTE.process.pid, warm._ZYGOTE.folder, flush=True)
-    config = make_launch_config(script, nproc=int(nproc), backend="gloo", hardware=Hardware(()),
+    config = make_launch_config(script, nproc=int(nproc), nnodes=int(nnodes), backend="gloo", hardware=Hardware(()),
                                 run_dir=run_dir, extra_env={"TEST_MARK": marker}, stream=False)
     try:
         launch(config)
@@ -82,36 +82,39 @@ def wait_until(condition, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s} s waiting until {what}")
 
 
-def start_launcher(tmp_path, script_source: str, nproc: int, how: str = "cold"):
+def start_launcher(tmp_path, script_source: str, nproc: int, how: str = "cold", nnodes: int = 1):
     marker = uuid.uuid4().hex
     worker = tmp_path / "worker.py"
     worker.write_text(script_source)
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHING_PROCESS, str(worker), marker, str(run_dir), str(nproc), how],
+        [sys.executable, "-c", LAUNCHING_PROCESS, str(worker), marker, str(run_dir), str(nproc), how, str(nnodes)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     return launcher, marker, run_dir
 
 
 @pytest.mark.parametrize(
-    "signals, how",
-    [([signal.SIGINT], "cold"), ([signal.SIGINT, signal.SIGINT], "cold"), ([signal.SIGKILL], "cold"),
-     ([signal.SIGINT, signal.SIGINT], "warm"), ([signal.SIGKILL], "warm")],
-    ids=["stop button", "stop button twice", "kernel killed", "warm: stop button twice", "warm: kernel killed"],
+    "signals, how, nnodes",
+    [([signal.SIGINT], "cold", 1), ([signal.SIGINT, signal.SIGINT], "cold", 1), ([signal.SIGKILL], "cold", 1),
+     ([signal.SIGINT, signal.SIGINT], "warm", 1), ([signal.SIGKILL], "warm", 1),
+     ([signal.SIGKILL], "cold", 2), ([signal.SIGINT, signal.SIGINT], "warm", 2)],
+    ids=["stop button", "stop button twice", "kernel killed", "warm: stop button twice", "warm: kernel killed",
+         "2 agents: kernel killed", "2 agents, warm: stop button twice"],
 )
-def test_stopping_the_launcher_leaves_nothing_behind(tmp_path, signals, how):
-    launcher, marker, run_dir = start_launcher(tmp_path, STUBBORN_WORKER, nproc=2, how=how)
+def test_stopping_the_launcher_leaves_nothing_behind(tmp_path, signals, how, nnodes):
+    launcher, marker, run_dir = start_launcher(tmp_path, STUBBORN_WORKER, nproc=2, how=how, nnodes=nnodes)
+    world = range(2 * nnodes)
     try:
         facts = run_dir / "facts"
-        wait_until(lambda: all((facts / f"rank{r}" / "store_port.json").exists() for r in (0, 1)), 60,
-                   "both ranks joined the group and started their children")
+        wait_until(lambda: all((facts / f"rank{r}" / "store_port.json").exists() for r in world), 60,
+                   "every rank joined the group and started its children")
         port = json.loads((facts / "rank1" / "store_port.json").read_text())
-        children = [pid for r in (0, 1) for pid in json.loads((facts / f"rank{r}" / "children.json").read_text())]
-        ranks = [json.loads((facts / f"rank{r}" / "rank_and_parent.json").read_text()) for r in (0, 1)]
+        children = [pid for r in world for pid in json.loads((facts / f"rank{r}" / "children.json").read_text())]
+        ranks = [json.loads((facts / f"rank{r}" / "rank_and_parent.json").read_text()) for r in world]
         assert port in listening_ports(), "the rendezvous store should listen while the run is up"
-        if how == "cold":
-            assert len(processes_left("TEST_MARK", marker)) >= 9  # supervisor, 2 ranks, 6 children
+        if how == "cold":  # the supervisor (with nnodes - 1 more agents), the ranks, 3 children each
+            assert len(processes_left("TEST_MARK", marker)) >= nnodes + 4 * len(world)
         else:  # a warm rank's /proc environ is the zygote's: follow the pids instead
             zygote_pid, zygote_folder = launcher.stdout.readline().split()[1:]
             assert all(parent == int(zygote_pid) for _, parent in ranks), "the ranks should be warm"

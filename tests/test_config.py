@@ -121,3 +121,29 @@ def test_more_ranks_than_gpus_without_a_backend_run_on_the_cpu(script):
     assert make_launch_config(script, nproc=2, hardware=TWO_GPUS).backend == "nccl"
     config = make_launch_config(script, nproc=3, hardware=TWO_GPUS)
     assert (config.nproc, config.backend) == (3, "gloo")
+
+
+@pytest.mark.parametrize("nnodes", [0, -1, "two", 1.5, True, 9])
+def test_bad_nnodes_is_refused_with_an_example(script, nnodes):
+    with pytest.raises(LaunchError, match=r"nnodes must be a whole number of agents from 1 to 8.*Example: --nnodes 2"):
+        make_launch_config(script, nnodes=nnodes, hardware=NO_GPU)
+
+
+def test_nnodes_multiplies_the_world_and_is_checked_against_the_gpus(script):
+    config = make_launch_config(script, nproc=2, nnodes="3", hardware=NO_GPU)
+    assert (config.nnodes, config.world_size) == (3, 6)
+    with pytest.raises(LaunchError, match=r"4 ranks asked for but only 2 GPU\(s\).*nproc x nnodes <= 2"):
+        make_launch_config(script, nproc=2, nnodes=2, backend="nccl", hardware=TWO_GPUS)
+
+
+@pytest.mark.parametrize("kill_rank, kill_after, message", [
+    (1, None, "kill_rank and kill_after go together"),
+    (None, "step 3", "kill_rank and kill_after go together"),
+    (2, "step 3", r"kill_rank must be a rank of this run, 0 to 1, got 2"),
+    ("one", "step 3", r"kill_rank must be a rank of this run"),
+    (1, "", "kill_after must be a non-empty line"),
+    (1, "two\nlines", "kill_after must be a non-empty line"),
+])
+def test_bad_kill_options_are_refused(script, kill_rank, kill_after, message):
+    with pytest.raises(LaunchError, match=message):
+        make_launch_config(script, nproc=2, kill_rank=kill_rank, kill_after=kill_after, hardware=NO_GPU)

@@ -48,6 +48,9 @@ def test_help_lists_the_options_and_launches_nothing(ipython, capsys, tmp_path):
         NCCL_TOO_MANY,
         ("--name ../escape", r"--name must be letters"),
         ("--out 1x", r"--out must be a Python variable name"),
+        ("--nnodes 0", r"nnodes must be a whole number of agents from 1 to 8"),
+        ("--kill-rank 1", r"kill_rank and kill_after go together"),
+        ("-n 2 --kill-rank 5 --kill-after 'step 1'", r"kill_rank must be a rank of this run, 0 to 1, got '5'"),
     ],
 )
 def test_bad_input_is_one_clear_error_and_nothing_runs(ipython, tmp_path, line, message):
@@ -99,3 +102,16 @@ def test_a_cell_that_may_fail_shows_the_failure_and_the_notebook_goes_on(ipython
     assert "Rank 1 failed first: ValueError: the point of the demo" in shown
     assert "--may-fail" in shown
     assert ipython.user_ns["demo"].first_failure.rank == 1
+
+
+def test_agents_restarts_and_a_killed_rank_from_a_cell(ipython):
+    result = run_cell(
+        ipython,
+        "-n 1 --nnodes 2 --backend gloo --name agents --out agents --max-restarts 1 --kill-rank 1 --kill-after 'ready now'",
+        "import os, time\nprint('ready now' if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' else 'again')\n"
+        "time.sleep(30 if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' else 0)\n",
+    )
+    assert result.success, result.error_in_exec
+    agents = ipython.user_ns["agents"]
+    assert sorted(r.agent for r in agents.ranks) == [0, 1] and agents.restarts == 1
+    assert agents.ranks[1].attempts[-1].strip() == "again"

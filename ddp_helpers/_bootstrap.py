@@ -190,14 +190,18 @@ def main() -> None:
     if folder is not None:
         _redirect_output(folder, rank)
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # Started before in this launch: torchrun restarted the ranks (after a failure, or because an agent
+        # joined or left). The rank's output goes on in the same files: mark where this attempt begins.
+        attempt = (folder.rank_identity(rank).get("attempt") or 0) + 1
         folder.write_json(folder.rank_file(rank, "pid"), {
             "rank": rank, "pid": os.getpid(), "agent": int(os.environ.get(AGENT_ENV, "0")),
             "group_rank": int(os.environ.get("GROUP_RANK", "0")), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
-            "restart": restart,
+            "restart": restart, "attempt": attempt, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         })
-        if restart:  # the same rank's output goes on in the same files: mark where this attempt begins
+        if attempt > 1:
             for stream in (sys.stdout, sys.stderr):
-                print(f"{ATTEMPT_MARK} restart {restart}: attempt {restart + 1} of rank {rank} begins", file=stream)
+                print(f"{ATTEMPT_MARK} attempt {attempt} of rank {rank} begins (restart count {restart}, world "
+                      f"size {os.environ.get('WORLD_SIZE')})", file=stream)
         folder.rank_file(rank, "error.json").unlink(missing_ok=True)  # an earlier attempt's, before a restart
         _open_stack_file = open(folder.rank_file(rank, "stack"), "w")
     faulthandler.enable()

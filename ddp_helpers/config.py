@@ -113,6 +113,9 @@ class LaunchConfig:
             starts `nproc` ranks, and they meet through one c10d rendezvous: a world of nnodes x nproc.
         kill_rank (int | None), kill_after (str | None): SIGKILL global rank `kill_rank`, once, as soon as
             its output contains `kill_after` (as the out-of-memory killer would): for fault-tolerance demos.
+        join_after (str | None): elastic membership: agents 1 .. nnodes - 1 start only once rank 0's output
+            contains this text, and the rendezvous accepts 1 to nnodes agents (torchrun --nnodes 1:N); the
+            running ranks are restarted in the bigger world.
         warm (bool): fork the supervisor and the ranks from a process that has torch imported (see
             `warm`), where that gives the same result; False always starts fresh interpreters.
         extra_env (Mapping[str, str]): environment variables added for every rank.
@@ -136,6 +139,7 @@ class LaunchConfig:
     nnodes: int = 1
     kill_rank: int | None = None
     kill_after: str | None = None
+    join_after: str | None = None
 
     @property
     def working_dir(self) -> Path:
@@ -244,6 +248,7 @@ def make_launch_config(
     nnodes: int | str = 1,
     kill_rank: int | str | None = None,
     kill_after: str | None = None,
+    join_after: str | None = None,
     hardware: Hardware | None = None,
 ) -> LaunchConfig:
     """Validate a launch request and fill in its defaults from the hardware present.
@@ -271,6 +276,8 @@ def make_launch_config(
             (torchrun's --nnodes, with a c10d rendezvous); with nccl, each agent gets its own GPUs.
         kill_rank, kill_after: SIGKILL global rank `kill_rank` once, when its output first contains the
             text `kill_after` (say "step 5 done"): a worker lost mid-training, for restart demos.
+        join_after: start agents 1 .. nnodes - 1 only once rank 0 has printed this text: they join the
+            running job (torchrun --nnodes 1:nnodes), whose ranks restart in the bigger world.
         hardware: the devices to plan for; detected when omitted.
 
     Raises:
@@ -320,6 +327,12 @@ def make_launch_config(
         raise LaunchError(f"{nnodes} agents x {nproc} ranks is more processes than this machine can run (at most "
                           f"{max_cpu_ranks()} ranks here). Example: --nnodes 2 --nproc 2")
     kill_rank, kill_after = parse_kill(kill_rank, kill_after, nproc * nnodes)
+    if join_after is not None:
+        if nnodes < 2:
+            raise LaunchError("join_after needs agents to join: nnodes 2 or more. Example: --nnodes 2 --join-after "
+                              "'step 5 done'")
+        if not isinstance(join_after, str) or not join_after.strip() or "\n" in join_after:
+            raise LaunchError(f"join_after must be a non-empty line of text rank 0 prints, got {join_after!r}.")
 
     if backend == "gloo" and hardware.gpu_count:
         # CPU ranks on a GPU machine: hide the GPUs so `torch.cuda.is_available()` picks the CPU path.
@@ -339,4 +352,5 @@ def make_launch_config(
         nnodes=nnodes,
         kill_rank=kill_rank,
         kill_after=kill_after,
+        join_after=join_after,
     )

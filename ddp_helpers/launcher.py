@@ -44,7 +44,7 @@ from .output import RankOutputStreamer
 from .processes import kill_marked, kill_process_groups, process_is_dead, stop_process_group
 from .readback import collect_result
 from .result import RunResult
-from .run_folder import AGENT_GPUS_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder
+from .run_folder import AGENT_GPUS_ENV, JOIN_AFTER_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder
 from . import warm
 from .warm import WarmProcess, warm_zygote
 
@@ -94,6 +94,8 @@ def child_environment(config: LaunchConfig, run_id: str, base: dict[str, str] | 
             "NCCL_SOCKET_IFNAME": "lo",
         }
     )
+    if config.join_after:
+        env[JOIN_AFTER_ENV] = config.join_after
     return env
 
 
@@ -107,7 +109,8 @@ def supervisor_arguments(config: LaunchConfig, parent_pid: int, zygote_socket: s
         str(parent_pid), str(SHUTDOWN_GRACE_S), "--",
         # One agent: --standalone (the OS picks the rendezvous port). Several: the supervisor adds a c10d
         # rendezvous on a store it hosts.
-        *(["--standalone", "--nnodes", "1"] if config.nnodes == 1 else ["--nnodes", str(config.nnodes)]),
+        *(["--standalone", "--nnodes", "1"] if config.nnodes == 1
+          else ["--nnodes", f"1:{config.nnodes}" if config.join_after else str(config.nnodes)]),
         "--nproc-per-node", str(config.nproc),
         "--max-restarts", str(config.max_restarts),
         "--monitor-interval", "0.1",

@@ -65,6 +65,11 @@ class TorchrunMagics(Magics):
                    "contains --kill-after: to see a restart (--max-restarts) for real")
     @argument("--kill-after", default=None,
               help="the text (quoted) after which --kill-rank is killed, e.g. --kill-after 'step 5 done'")
+    @argument("--join-after", default=None,
+              help="elastic membership: agents 1 .. nnodes-1 start only once rank 0's output contains this text "
+                   "(quoted), and join the running job (torchrun --nnodes 1:N)")
+    @argument("--env", action="append", default=[], metavar="NAME=VALUE",
+              help="an environment variable for the run (repeat for several), e.g. --env TORCH_DISTRIBUTED_DEBUG=DETAIL")
     @argument("--may-fail", action="store_true",
               help="a failed run is shown (its summary and traceback) but does not stop the notebook: for "
                    "cells that demonstrate a failure; the result is in --out")
@@ -100,7 +105,8 @@ class TorchrunMagics(Magics):
                 config = make_launch_config(
                     script, nproc=args.nproc, backend=args.backend, timeout_s=args.timeout, run_dir=run_dir,
                     cwd=args.cwd, cold=args.cold, max_restarts=args.max_restarts, nnodes=args.nnodes,
-                    kill_rank=args.kill_rank, kill_after=_unquoted(args.kill_after),
+                    kill_rank=args.kill_rank, kill_after=_unquoted(args.kill_after), extra_env=_variables(args.env),
+                    join_after=_unquoted(args.join_after),
                 )
             except LaunchError as error:
                 raise UsageError(str(error)) from None
@@ -112,6 +118,17 @@ class TorchrunMagics(Magics):
         if not run.ok:
             raise RunFailedInCell(run)
         print(run.summary().splitlines()[0] + f"  (result in `{args.out}`)")
+
+
+def _variables(assignments: list[str]) -> dict[str, str]:
+    """--env NAME=VALUE options as a dict (make_launch_config checks the names and values)."""
+    variables = {}
+    for assignment in assignments:
+        name, equals, value = assignment.partition("=")
+        if not equals:
+            raise LaunchError(f"--env takes NAME=VALUE, got {assignment!r}. Example: --env TORCH_DISTRIBUTED_DEBUG=DETAIL")
+        variables[name] = _unquoted(value)
+    return variables
 
 
 def _unquoted(text: str | None) -> str | None:

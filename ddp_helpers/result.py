@@ -101,18 +101,26 @@ _SIGNAL_HINTS = {
 }
 
 
+# A rank's error that only says a peer went away: its time is when it noticed, which can come before the
+# supervisor (polling every 20 ms) saw the peer die.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing", "Broken pipe")
+_PEER_NOTICED_WITHIN_S = 1.0
+
+
 def find_root_cause(ranks) -> "RankResult | None":
     """The rank that failed first: the earliest time a failed rank ended (its exception's time, or when
-    the supervisor saw it die); a rank with a Python error or a positive exit code wins a tie."""
+    the supervisor saw it die); a rank with a Python error or a positive exit code wins a tie. A rank
+    whose error only says that a peer went away yields to a rank killed by a signal around that time."""
     failed = [r for r in ranks if r.failed]
     if not failed:
         return None
+
     def ended_at(r: RankResult) -> float:
         if r.ended_at is not None:
             return r.ended_at
         return r.error.time if r.error is not None else float("inf")
 
-    return min(
+    first = min(
         failed,
         key=lambda r: (
             ended_at(r),
@@ -120,6 +128,12 @@ def find_root_cause(ranks) -> "RankResult | None":
             r.rank,
         ),
     )
+    if first.error is not None and any(text in first.error.message for text in _PEER_GONE):
+        killed = [r for r in failed if r.error is None and (r.exit_code or 0) < 0 and r.exit_code != -signal.SIGTERM
+                  and ended_at(r) - ended_at(first) <= _PEER_NOTICED_WITHIN_S]
+        if killed:
+            return min(killed, key=lambda r: (ended_at(r), r.rank))
+    return first
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@
         .lock                        held (flock) by the launch in progress; a second launch is refused
         rank0.stdout, rank0.stderr   what rank 0 printed, capped (the first and last OUTPUT_KEEP_BYTES
                                      of each stream, with a line saying how much was dropped)
-        rank0.pid                    {"run_id", "pid", "agent", "group_rank", "local_rank", "restart"}: for
+        rank0.pid                    {"run_id", "pid", "agent", "group_rank", "local_rank", "restart",
+                                     "attempt", "world_size"}: for
                                      stack dumps on timeout, and which agent and attempt the rank is
         rank0.error.json             the exception that ended rank 0, with its time, if any
         facts/rank0/<name>.json|.pt  values recorded with `ddp_helpers.record`
@@ -47,6 +48,8 @@ AGENT_PID_ENV = "DDP_HELPERS_AGENT_PID"
 # Which of the run's torchrun agents ("machines") started a rank, and the GPUs each agent may use.
 AGENT_ENV = "DDP_HELPERS_AGENT"
 AGENT_GPUS_ENV = "DDP_HELPERS_AGENT_GPUS"
+# Elastic membership: the other agents start once rank 0 has printed this text.
+JOIN_AFTER_ENV = "DDP_HELPERS_JOIN_AFTER"
 # Starts the line a restarted rank prints first, in stdout and stderr: where its new attempt begins.
 ATTEMPT_MARK = "[ddp_helpers] ---"
 MARKER_NAME = ".ddp_helpers-run"
@@ -217,7 +220,8 @@ class RunFolder:
         return found.get("pid") if found else None
 
     def rank_identity(self, rank: int) -> dict:
-        """What the rank's latest attempt wrote about itself: agent, group_rank, local_rank, restart."""
+        """What the rank's latest attempt wrote about itself: agent, group_rank, local_rank, restart (torchrun's
+        count), attempt (how many times the rank started in this launch), world_size."""
         return self.read_own_json(self.rank_file(rank, "pid")) or {}
 
     def rank_pids(self, nproc: int) -> list[int]:

@@ -40,7 +40,9 @@ import traceback
 from .processes import (
     ARM_PARENT_DEATH_FAILED, arm_parent_death_signal, kill_marked, kill_process_groups, process_is_dead,
 )
-from .run_folder import AGENT_ENV, AGENT_GPUS_ENV, AGENT_PID_ENV, OUTPUT_KEEP_BYTES, RUN_ID_ENV, RunFolder
+from .run_folder import (
+    AGENT_ENV, AGENT_GPUS_ENV, AGENT_PID_ENV, JOIN_AFTER_ENV, OUTPUT_KEEP_BYTES, RUN_ID_ENV, RunFolder,
+)
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -213,6 +215,7 @@ class OtherAgents:
         self.pids: list[int] = []
         self._argument_pipes: list[int] = []
         self.exit_codes: dict[int, int] = {}
+        self._starting = threading.Lock()
         parent = os.getpid()
         for agent in range(1, nnodes):
             read_end, write_end = os.pipe()
@@ -231,10 +234,11 @@ class OtherAgents:
             self._argument_pipes.append(write_end)
 
     def start(self, torchrun_argv: list[str]) -> None:
-        for write_end in self._argument_pipes:
-            os.write(write_end, json.dumps(torchrun_argv).encode())
-            os.close(write_end)
-        self._argument_pipes = []
+        with self._starting:  # the join thread and the final wait may both get here
+            for write_end in self._argument_pipes:
+                os.write(write_end, json.dumps(torchrun_argv).encode())
+                os.close(write_end)
+            self._argument_pipes = []
 
     def wait(self, timeout_s: float) -> None:
         """Wait for every agent to end; SIGTERM those still running after `timeout_s`, then SIGKILL."""
@@ -261,6 +265,25 @@ class OtherAgents:
                 or {"succeeded": False, "agent_error": f"agent {agent} ended without a word (exit code "
                                                         f"{self.exit_codes.get(pid)})"}
                 for agent, pid in enumerate(self.pids, start=1)]
+
+
+class JoinWhenSeen:
+    """Elastic membership: calls `join` once rank 0's output contains `text` (checked every 0.1 s)."""
+
+    def __init__(self, folder: RunFolder, text: str, join):
+        self._path, self._text, self._join = folder.rank_file(0, "stdout"), text.encode(), join
+        threading.Thread(target=self._watch, name="ddp_helpers-join", daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                if self._text in self._path.read_bytes():
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        print(f"[ddp_helpers] rank 0 printed {self._text.decode()!r}: the other agents start and join", flush=True)
+        self._join()
 
 
 def _merge(outcomes: list[dict]) -> dict:
@@ -313,7 +336,7 @@ def main(argv: list[str]) -> int:
     os.environ[AGENT_ENV] = "0"
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(float(grace_s)))
     folder = RunFolder.from_environment()
-    nnodes = int(_option(torchrun_argv, "--nnodes"))
+    nnodes = int(_option(torchrun_argv, "--nnodes").split(":")[-1])  # "2", or "1:2" when agents join later
     world_size = int(_option(torchrun_argv, "--nproc-per-node")) * nnodes
     outcome: dict = {"succeeded": False}
     pipes = watcher = others = store = None
@@ -327,11 +350,16 @@ def main(argv: list[str]) -> int:
 
             # Hosted here for every agent: its port is chosen by the OS, so launches never collide.
             store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            # last_call_timeout: once the minimum of agents is there, how long to wait for more (default 30 s).
             torchrun_argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}",
-                             "--rdzv-id", os.environ[RUN_ID_ENV], "--rdzv-conf", "is_host=false", *torchrun_argv]
+                             "--rdzv-id", os.environ[RUN_ID_ENV], "--rdzv-conf", "is_host=false,last_call_timeout=1",
+                             *torchrun_argv]
             if _agent_gpus(0) is not None:
                 os.environ["CUDA_VISIBLE_DEVICES"] = _agent_gpus(0)
-            others.start(torchrun_argv)
+            if os.environ.get(JOIN_AFTER_ENV):
+                JoinWhenSeen(folder, os.environ[JOIN_AFTER_ENV], lambda argv=torchrun_argv: others.start(argv))
+            else:
+                others.start(torchrun_argv)
         outcome = _run_torchrun(torchrun_argv)
         if others is not None:
             others.wait(timeout_s=float(grace_s) + 2)

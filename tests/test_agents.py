@@ -103,6 +103,23 @@ def test_a_killed_rank_is_restarted_and_training_resumes_to_the_same_weights(wri
     assert killed.facts("final")[0].tolist() == uninterrupted.facts("final")[0].tolist()
 
 
+ELASTIC = RESUMING.replace('"step": step}', '"step": step, "log": log}').replace(
+    'start = snapshot["step"] + 1', 'start, log = snapshot["step"] + 1, snapshot["log"]').replace(
+    "start = 0\n", "start, log = 0, []\n").replace("    optimizer.step()\n", "    optimizer.step()\n    log.append([step, world])\n").replace(
+    'record("final"', 'record("log", log)\nrecord("final"').replace("range(start, 12)", "range(start, 24)")
+
+
+def test_an_agent_joining_a_running_job_grows_the_world_and_training_goes_on(write_script):
+    run = run_on_cpu(write_script("elastic", ELASTIC), nproc=2, nnodes=2, join_after="step 3 done", stream=False)
+    assert run.ok, failure_report(run)
+    log = run.ranks[0].facts["log"]
+    assert [step for step, _ in log] == list(range(24)), "every step once, none lost or repeated"
+    worlds = [world for _, world in log]
+    assert worlds[0] == 2 and worlds[-1] == 4 and worlds == sorted(worlds), worlds
+    assert [r.agent for r in run.ranks].count(1) == 2
+    assert len(run.ranks[0].attempts) == 2 and len(run.ranks[3].attempts) == 1, "rank 0 restarted in the new world"
+
+
 def test_without_restarts_a_killed_rank_is_named_as_killed(write_script):
     run = run_on_cpu(write_script("resuming", RESUMING), nproc=2, stream=False, kill_rank=0, kill_after="step 2 done")
     assert not run.ok

@@ -147,3 +147,12 @@ def test_nnodes_multiplies_the_world_and_is_checked_against_the_gpus(script):
 def test_bad_kill_options_are_refused(script, kill_rank, kill_after, message):
     with pytest.raises(LaunchError, match=message):
         make_launch_config(script, nproc=2, kill_rank=kill_rank, kill_after=kill_after, hardware=NO_GPU)
+
+
+@pytest.mark.parametrize("nnodes, join_after, message", [
+    (1, "step 3", "join_after needs agents to join: nnodes 2 or more"),
+    (2, " ", "join_after must be a non-empty line"),
+])
+def test_bad_join_options_are_refused(script, nnodes, join_after, message):
+    with pytest.raises(LaunchError, match=message):
+        make_launch_config(script, nproc=2, nnodes=nnodes, join_after=join_after, hardware=NO_GPU)

@@ -29,3 +29,19 @@ def test_a_timed_out_run_says_so_and_how_to_read_it():
     assert run.first_failure is None
     assert "timed out after 60 s" in str(RunFailed(run))
     assert "Stacks of the ranks still running are above" in run.summary()
+
+
+def test_a_rank_killed_by_a_signal_is_the_root_cause_of_the_peer_that_noticed_it_first():
+    # Rank 1 noticed rank 0's death (connection closed) a few ms before the supervisor's 20 ms poll saw it.
+    run = make_run([
+        RankResult(0, -9, "", "", ended_at=10.015),
+        RankResult(1, 1, "", "", error=RankError("RuntimeError", "Connection closed by peer [127.0.0.1]:9135",
+                                                 "tb1", time=10.0)),
+        RankResult(2, -15, "", "", ended_at=10.01),
+    ])
+    assert run.first_failure.rank == 0
+    late = make_run([  # a signal long after the peer's error is not its cause
+        RankResult(0, -9, "", "", ended_at=15.0),
+        RankResult(1, 1, "", "", error=RankError("RuntimeError", "Connection closed by peer", "tb1", time=10.0)),
+    ])
+    assert late.first_failure.rank == 1

@@ -199,9 +199,8 @@ def main() -> None:
             "restart": restart, "attempt": attempt, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         })
         if attempt > 1:
-            for stream in (sys.stdout, sys.stderr):
-                print(f"{ATTEMPT_MARK} attempt {attempt} of rank {rank} begins (restart count {restart}, world "
-                      f"size {os.environ.get('WORLD_SIZE')})", file=stream)
+            print(f"{ATTEMPT_MARK} attempt {attempt} of rank {rank} begins (restart count {restart}, world "
+                  f"size {os.environ.get('WORLD_SIZE')})")
         folder.rank_file(rank, "error.json").unlink(missing_ok=True)  # an earlier attempt's, before a restart
         _open_stack_file = open(folder.rank_file(rank, "stack"), "w")
     faulthandler.enable()

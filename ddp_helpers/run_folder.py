@@ -50,7 +50,7 @@ AGENT_ENV = "DDP_HELPERS_AGENT"
 AGENT_GPUS_ENV = "DDP_HELPERS_AGENT_GPUS"
 # Elastic membership: the other agents start once rank 0 has printed this text.
 JOIN_AFTER_ENV = "DDP_HELPERS_JOIN_AFTER"
-# Starts the line a restarted rank prints first, in stdout and stderr: where its new attempt begins.
+# Starts the line a restarted rank prints first on stdout: where its new attempt begins.
 ATTEMPT_MARK = "[ddp_helpers] ---"
 MARKER_NAME = ".ddp_helpers-run"
 LOCK_NAME = ".lock"

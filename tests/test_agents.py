@@ -103,17 +103,52 @@ def test_a_killed_rank_is_restarted_and_training_resumes_to_the_same_weights(wri
     assert killed.facts("final")[0].tolist() == uninterrupted.facts("final")[0].tolist()
 
 
-ELASTIC = RESUMING.replace('"step": step}', '"step": step, "log": log}').replace(
-    'start = snapshot["step"] + 1', 'start, log = snapshot["step"] + 1, snapshot["log"]').replace(
-    "start = 0\n", "start, log = 0, []\n").replace("    optimizer.step()\n", "    optimizer.step()\n    log.append([step, world])\n").replace(
-    'record("final"', 'record("log", log)\nrecord("final"').replace("range(start, 12)", "range(start, 24)")
+# Each step's global batch cut into WORLD_SIZE pieces; slow steps (0.15 s), so that a joining agent arrives
+# while the job runs, even on a loaded machine.
+ELASTIC = """
+import os
+import time
+import torch
+import torch.distributed as dist
+from ddp_helpers import record
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+start, log = 0, []
+if os.path.exists("snapshot.pt"):
+    snapshot = torch.load("snapshot.pt", weights_only=True)
+    model.load_state_dict(snapshot["model"])
+    optimizer.load_state_dict(snapshot["optimizer"])
+    start, log = snapshot["step"] + 1, snapshot["log"]
+for step in range(start, 40):
+    x = torch.randn(24, 4, generator=torch.Generator().manual_seed(step))[rank * 24 // world:(rank + 1) * 24 // world]
+    optimizer.zero_grad()
+    model(x).pow(2).mean().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    optimizer.step()
+    log.append([step, world])
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "log": log},
+                   "snapshot.tmp")
+        os.replace("snapshot.tmp", "snapshot.pt")
+    dist.barrier()
+    print(f"step {step} done", flush=True)
+    time.sleep(0.15)
+record("log", log)
+dist.destroy_process_group()
+"""
 
 
 def test_an_agent_joining_a_running_job_grows_the_world_and_training_goes_on(write_script):
-    run = run_on_cpu(write_script("elastic", ELASTIC), nproc=2, nnodes=2, join_after="step 3 done", stream=False)
+    run = run_on_cpu(write_script("elastic", ELASTIC), nproc=2, nnodes=2, join_after="step 1 done", stream=False)
     assert run.ok, failure_report(run)
     log = run.ranks[0].facts["log"]
-    assert [step for step, _ in log] == list(range(24)), "every step once, none lost or repeated"
+    assert [step for step, _ in log] == list(range(40)), "every step once, none lost or repeated"
     worlds = [world for _, world in log]
     assert worlds[0] == 2 and worlds[-1] == 4 and worlds == sorted(worlds), worlds
     assert [r.agent for r in run.ranks].count(1) == 2

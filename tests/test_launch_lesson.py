@@ -89,3 +89,15 @@ def test_lesson_3_runs_from_its_notebook_and_saves_its_plots(tmp_path):
     assert "holds sharded tensors (DTensors)" in done.stdout  # the exercise as given, judged
     plots = sorted((tmp_path / "runs" / "03_syncbn_and_sharded_state" / "plots").glob("*.png"))
     assert len(plots) >= 3, plots
+
+
+def test_lesson_4_runs_from_its_notebook_and_saves_its_plots(tmp_path):
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "launch_lesson.sh"), "4"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "\u2713 the final parameters are bitwise those of the run without a kill, on every rank" in done.stdout
+    assert "ran twice: before the kill and again after the restart" in done.stdout  # the exercise as given, judged
+    plots = sorted((tmp_path / "runs" / "04_launching_with_torchrun" / "plots").glob("*.png"))
+    assert len(plots) >= 3, plots

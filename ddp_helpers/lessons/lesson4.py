@@ -1,0 +1,132 @@
+"""Lesson 4 (launching jobs with torchrun): reading steps out of the ranks' output, and the exercise
+checker.
+
+The exercise is a training script that snapshots after every step and resumes from its snapshot when
+torchrun restarts it; it is run with rank 1 killed after step 5 and one restart allowed. As given, it
+resumes at the step it had already done, and it does not bring back each rank's random state (its
+dropout masks). The checker trusts nothing the script says about itself: it reads the steps each
+attempt printed (as the launcher saw them), runs the same script again without a kill, and compares
+the final snapshots bitwise.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..exercises import ExerciseReport
+from ..result import RunResult
+
+_STEP_DONE = re.compile(r"^step (\d+) done", flags=re.M)
+SNAPSHOT_NAME = "snapshot.pt"
+
+
+def steps_done(text: str) -> list[int]:
+    """The step numbers in lines "step N done", in order."""
+    return [int(number) for number in _STEP_DONE.findall(text)]
+
+
+def check_resume_exercise(run: RunResult) -> ExerciseReport:
+    """Name what keeps the killed-and-restarted run from ending as an uninterrupted one, or confirm it does."""
+    from .. import run_script
+
+    report = ExerciseReport(verdict_when_passed="All checks pass: killed and restarted, the training ends bitwise "
+                                                "where an uninterrupted run does.")
+    if run.timed_out or not run.ok:
+        report.mistakes.append("the run did not finish (see above); fix that first")
+        return report
+    if run.restarts == 0:
+        report.mistakes.append("no rank was killed, so nothing was tested: rank 1 is killed once it prints "
+                               "'step 5 done' (keep that print line)")
+        return report
+    mine = _final_snapshot(run)  # read before anything else runs
+    reference = run_script(run.config.script, nproc=run.config.nproc, backend=run.backend, stream=False,
+                           timeout_s=run.config.timeout_s, extra_env=dict(run.config.extra_env),
+                           run_dir=run.run_dir.with_name(run.run_dir.name + "-without-kill"))
+    if not reference.ok:
+        report.mistakes.append("the same script, run without a kill, failed: " + reference.summary())
+        return report
+    _judge_steps(run, reference, report)
+    _judge_snapshots(mine, _final_snapshot(reference), report)
+    return report
+
+
+def _judge_steps(run: RunResult, reference: RunResult, report: ExerciseReport) -> None:
+    attempts = [steps_done(text) for text in run.ranks[0].attempts]
+    done = [step for steps in attempts for step in steps]
+    expected = steps_done(reference.ranks[0].stdout)
+    repeated = sorted({step for step in done if done.count(step) > 1})
+    lost = sorted(set(expected) - set(done))
+    if repeated:
+        report.mistakes.append(f"step(s) {repeated} ran twice: before the kill and again after the restart")
+    if lost:
+        report.mistakes.append(f"step(s) {lost} never ran")
+    if not repeated and not lost and done == expected:
+        report.confirmed.append(f"every one of the {len(expected)} steps ran exactly once: steps "
+                                f"{attempts[0][0]}-{attempts[0][-1]} before the kill, {attempts[-1][0]}-"
+                                f"{attempts[-1][-1]} after the restart")
+
+
+def _final_snapshot(run: RunResult) -> dict | None:
+    import torch
+
+    path = run.config.working_dir / SNAPSHOT_NAME
+    written = [Path(p) for r in run.ranks for p in r.files_written]
+    if not path.is_file() or not any(p.name in (SNAPSHOT_NAME, "snapshot.tmp") for p in written):
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - a torn or foreign file is the learner's to fix
+        return None
+
+
+def _judge_snapshots(mine: dict | None, theirs: dict | None, report: ExerciseReport) -> None:
+    import torch
+
+    if mine is None or theirs is None or "model" not in mine or "model" not in theirs:
+        report.mistakes.append(f"no readable {SNAPSHOT_NAME} with the model at the end of the run (keep the "
+                               "snapshot rank 0 writes)")
+        return
+    differences = [(name, (mine["model"][name].float() - value.float()).abs().max().item())
+                   for name, value in theirs["model"].items()
+                   if name in mine["model"] and not torch.equal(mine["model"][name], value)]
+    if set(mine["model"]) != set(theirs["model"]) or differences:
+        largest = max((d for _, d in differences), default=float("nan"))
+        report.mistakes.append(
+            f"killed and restarted, the training ended with other weights than without a kill (up to "
+            f"{largest:.1e} apart): after the restart the ranks did not go on exactly as they would have. "
+            "Besides the weights and the optimizer, what else decides what a step computes?"
+        )
+    else:
+        report.confirmed.append("the final weights are bitwise those of the same training without a kill")
+
+
+def run_torchrun_command(arguments: list[str], timeout_s: float = 60) -> tuple[int | None, str]:
+    """Run `torchrun ARGUMENTS` as a terminal would (the real command, not through this course's launcher):
+    (its exit code, None if it had to be stopped; its output). Everything it started is killed at the end."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import uuid
+
+    from ..config import RESERVED_ENV, RESERVED_ENV_PREFIXES
+    from ..processes import kill_marked
+
+    marker = uuid.uuid4().hex
+    env = {key: value for key, value in os.environ.items()
+           if key not in RESERVED_ENV and not key.startswith(RESERVED_ENV_PREFIXES)}
+    env["DDP_LESSONS_TORCHRUN_COMMAND"] = marker  # found by the sweep below, in every process it starts
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *arguments], env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+        code = process.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        code = None
+    finally:
+        kill_marked(marker, "DDP_LESSONS_TORCHRUN_COMMAND")
+    return code, output

@@ -27,6 +27,7 @@ import importlib.util
 import io
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -194,9 +195,10 @@ def main() -> None:
         # joined or left). The rank's output goes on in the same files: mark where this attempt begins.
         attempt = (folder.rank_identity(rank).get("attempt") or 0) + 1
         folder.write_json(folder.rank_file(rank, "pid"), {
-            "rank": rank, "pid": os.getpid(), "agent": int(os.environ.get(AGENT_ENV, "0")),
+            "rank": rank, "pid": os.getpid(), "agent": int(os.environ.get(AGENT_ENV) or os.environ.get("SLURM_NODEID") or 0),
             "group_rank": int(os.environ.get("GROUP_RANK", "0")), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
             "restart": restart, "attempt": attempt, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
         })
         if attempt > 1:
             print(f"{ATTEMPT_MARK} attempt {attempt} of rank {rank} begins (restart count {restart}, world "
@@ -237,6 +239,8 @@ def main() -> None:
     finally:
         if observer is not None:
             folder.write_json(folder.rank_file(rank, "writes.json"), {"rank": rank, "files": sorted(observer.paths)})
+            # How it ended, for launches without a supervisor to ask the agent (Slurm jobs).
+            folder.write_json(folder.rank_file(rank, "exit.json"), {"rank": rank, "exit_code": exit_code})
         if exit_code == 0:
             _warn_if_process_group_left_open(rank)
         sys.stdout.flush()

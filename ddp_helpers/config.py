@@ -29,6 +29,7 @@ from .errors import LaunchError
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_CPU_NPROC = 2
 MAX_NNODES = 8
+MAX_SLURM_NODES = 64
 BACKENDS = ("gloo", "nccl")
 # Variables the launcher sets itself (or torchrun sets per rank): extra_env may not override them.
 RESERVED_ENV_PREFIXES = ("DDP_HELPERS_", "TORCHELASTIC_")
@@ -96,6 +97,25 @@ def detect_hardware() -> Hardware:
 
 
 @dataclass(frozen=True)
+class SlurmJob:
+    """Where and how a launch runs on a Slurm cluster (see `slurm`).
+
+    Args:
+        nodes (int): machines; one torchrun agent on each, `nproc` ranks per machine.
+        partition (str | None): sbatch --partition; None: the cluster's default.
+        time (str | None): sbatch --time, e.g. "00:10:00"; None: the partition's default.
+        gpus_per_node (int | None): sbatch --gpus-per-node; with GPUs the ranks use nccl, one GPU each.
+        sbatch_args (tuple[str, ...]): more sbatch options, e.g. ("--account=ml", "--mem=8G").
+    """
+
+    nodes: int = 1
+    partition: str | None = None
+    time: str | None = None
+    gpus_per_node: int | None = None
+    sbatch_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class LaunchConfig:
     """One launch of a script on `nproc` ranks under torchrun.
 
@@ -113,6 +133,8 @@ class LaunchConfig:
             starts `nproc` ranks, and they meet through one c10d rendezvous: a world of nnodes x nproc.
         kill_rank (int | None), kill_after (str | None): SIGKILL global rank `kill_rank`, once, as soon as
             its output contains `kill_after` (as the out-of-memory killer would): for fault-tolerance demos.
+        slurm (SlurmJob | None): run as a job on a Slurm cluster instead of on this machine (`nnodes` is
+            then its number of nodes).
         join_after (str | None): elastic membership: agents 1 .. nnodes - 1 start only once rank 0's output
             contains this text, and the rendezvous accepts 1 to nnodes agents (torchrun --nnodes 1:N); the
             running ranks are restarted in the bigger world.
@@ -140,6 +162,7 @@ class LaunchConfig:
     kill_rank: int | None = None
     kill_after: str | None = None
     join_after: str | None = None
+    slurm: SlurmJob | None = None
 
     @property
     def working_dir(self) -> Path:
@@ -249,6 +272,7 @@ def make_launch_config(
     kill_rank: int | str | None = None,
     kill_after: str | None = None,
     join_after: str | None = None,
+    slurm: SlurmJob | None = None,
     hardware: Hardware | None = None,
 ) -> LaunchConfig:
     """Validate a launch request and fill in its defaults from the hardware present.
@@ -278,6 +302,9 @@ def make_launch_config(
             text `kill_after` (say "step 5 done"): a worker lost mid-training, for restart demos.
         join_after: start agents 1 .. nnodes - 1 only once rank 0 has printed this text: they join the
             running job (torchrun --nnodes 1:nnodes), whose ranks restart in the bigger world.
+        slurm: a SlurmJob: submit the launch to Slurm (sbatch) on `slurm.nodes` machines instead of running
+            it here. nproc defaults to slurm.gpus_per_node (nccl) or 2 CPU ranks (gloo) per node; the
+            GPUs of this machine do not matter.
         hardware: the devices to plan for; detected when omitted.
 
     Raises:
@@ -302,6 +329,12 @@ def make_launch_config(
         if not working_dir.is_dir():
             raise LaunchError(f"cwd {working_dir} is not a folder. Example: cwd='.' for the notebook's folder.")
 
+    if slurm is not None:
+        return _slurm_launch_config(script_path, slurm, nproc=nproc, backend=backend, timeout_s=timeout_s,
+                                    run_dir=run_dir, cwd=working_dir, extra_env=env, script_args=script_args,
+                                    stream=stream, max_restarts=max_restarts,
+                                    unsupported={"nnodes": nnodes != 1, "kill_rank": kill_rank is not None,
+                                                 "join_after": join_after is not None})
     nnodes = parse_nnodes(nnodes)
     hardware = hardware or detect_hardware()
     if backend is None:
@@ -353,4 +386,44 @@ def make_launch_config(
         kill_rank=kill_rank,
         kill_after=kill_after,
         join_after=join_after,
+    )
+
+
+def _slurm_launch_config(script: Path, slurm: SlurmJob, *, nproc, backend, timeout_s, run_dir, cwd, extra_env,
+                         script_args, stream, max_restarts, unsupported: dict[str, bool]) -> LaunchConfig:
+    """A launch on a Slurm cluster: validated against the job's options, not this machine's hardware."""
+    if not isinstance(slurm, SlurmJob):
+        raise LaunchError(f"slurm must be a SlurmJob(nodes=..., partition=...), got {type(slurm).__name__}.")
+    for option, given in unsupported.items():
+        if given:
+            raise LaunchError(f"{option} is for runs on this machine; on Slurm the job's nodes are slurm.nodes "
+                              "(magic: --nodes).")
+    nodes = slurm.nodes
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_SLURM_NODES:
+        raise LaunchError(f"slurm nodes must be a whole number from 1 to {MAX_SLURM_NODES}, got {nodes!r}. "
+                          "Example: --nodes 2")
+    gpus = slurm.gpus_per_node
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
+        raise LaunchError(f"gpus_per_node must be a whole number of GPUs (1 or more), got {gpus!r}.")
+    for name, value in (("partition", slurm.partition), ("time", slurm.time)):
+        if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_.:,\-]+", value)):
+            raise LaunchError(f"slurm {name} {value!r} is not a valid value. Example: --partition gpu --time 00:10:00")
+    if isinstance(slurm.sbatch_args, str) or not all(isinstance(arg, str) and arg.startswith("--")
+                                                     for arg in slurm.sbatch_args):
+        raise LaunchError(f"sbatch_args must be sbatch options, each as one string, got {slurm.sbatch_args!r}. "
+                          "Example: ('--account=ml', '--mem=8G')")
+    backend = backend or ("nccl" if gpus else "gloo")
+    if backend not in BACKENDS:
+        raise LaunchError(f"Unknown backend {backend!r}: use 'nccl' (one GPU per rank) or 'gloo' (CPU processes).")
+    if backend == "nccl" and not gpus:
+        raise LaunchError("backend 'nccl' on Slurm needs GPUs: give gpus_per_node (magic: --gpus-per-node).")
+    nproc = parse_nproc(nproc if nproc is not None else (gpus if backend == "nccl" else DEFAULT_CPU_NPROC))
+    if backend == "nccl" and nproc > gpus:
+        raise LaunchError(f"{nproc} ranks per node but {gpus} GPU(s) per node: with nccl each rank needs its own GPU.")
+    return LaunchConfig(
+        script=script, nproc=nproc, backend=backend, timeout_s=timeout_s,
+        run_dir=Path(run_dir).expanduser().resolve() if run_dir else default_run_dir(script),
+        extra_env=extra_env, script_args=tuple(str(a) for a in script_args), stream=stream, cwd=cwd,
+        warm=False, max_restarts=max_restarts, nnodes=nodes,
+        slurm=SlurmJob(nodes, slurm.partition, slurm.time, gpus, tuple(slurm.sbatch_args)),
     )

@@ -164,6 +164,10 @@ def launch(config: LaunchConfig, folder: RunFolder | None = None) -> RunResult:
     if own_folder:
         folder = RunFolder.claim(config.run_dir)
     try:
+        if config.slurm is not None:
+            from .slurm import launch_on_slurm
+
+            return launch_on_slurm(config, folder)
         return _launch_in(config, folder)
     finally:
         if own_folder:

@@ -15,6 +15,7 @@ a rank failed or that timed out fails the cell, naming the first failing rank an
 
 from __future__ import annotations
 
+import shlex
 import sys
 import traceback
 
@@ -23,7 +24,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .cells import cell_paths, notebook_key, notebook_path, write_cell_script
-from .config import DEFAULT_TIMEOUT_S, make_launch_config
+from .config import DEFAULT_TIMEOUT_S, SlurmJob, make_launch_config
 from .errors import LaunchError
 from .launcher import launch
 from .result import RunFailed
@@ -70,6 +71,16 @@ class TorchrunMagics(Magics):
                    "(quoted), and join the running job (torchrun --nnodes 1:N)")
     @argument("--env", action="append", default=[], metavar="NAME=VALUE",
               help="an environment variable for the run (repeat for several), e.g. --env TORCH_DISTRIBUTED_DEBUG=DETAIL")
+    @argument("--slurm", action="store_true",
+              help="submit the cell as a job to the Slurm cluster this machine is a login node of (sbatch), on "
+                   "--nodes machines; the run folder must be on a file system the nodes share")
+    @argument("--nodes", default=1, type=int, help="with --slurm: machines, one torchrun agent each (default 1)")
+    @argument("--partition", default=None, help="with --slurm: the partition (default: the cluster's)")
+    @argument("--time", default=None, help="with --slurm: the job's time limit, e.g. 00:10:00")
+    @argument("--gpus-per-node", default=None, type=int,
+              help="with --slurm: GPUs per machine; the ranks then use nccl, one GPU each")
+    @argument("--sbatch-args", default=None,
+              help="with --slurm: more sbatch options, quoted, e.g. --sbatch-args '--account=ml --mem=8G'")
     @argument("--may-fail", action="store_true",
               help="a failed run is shown (its summary and traceback) but does not stop the notebook: for "
                    "cells that demonstrate a failure; the result is in --out")
@@ -106,11 +117,14 @@ class TorchrunMagics(Magics):
                     script, nproc=args.nproc, backend=args.backend, timeout_s=args.timeout, run_dir=run_dir,
                     cwd=args.cwd, cold=args.cold, max_restarts=args.max_restarts, nnodes=args.nnodes,
                     kill_rank=args.kill_rank, kill_after=_unquoted(args.kill_after), extra_env=_variables(args.env),
-                    join_after=_unquoted(args.join_after),
+                    join_after=_unquoted(args.join_after), slurm=_slurm_job(args),
                 )
             except LaunchError as error:
                 raise UsageError(str(error)) from None
-            run = launch(config, folder)
+            try:
+                run = launch(config, folder)
+            except LaunchError as error:  # e.g. a Slurm job refused
+                raise UsageError(str(error)) from None
         self.shell.user_ns[args.out] = run
         if not run.ok and args.may_fail:
             print(run.summary() + f"\n(the failure was expected here: --may-fail; result in `{args.out}`)")
@@ -118,6 +132,17 @@ class TorchrunMagics(Magics):
         if not run.ok:
             raise RunFailedInCell(run)
         print(run.summary().splitlines()[0] + f"  (result in `{args.out}`)")
+
+
+def _slurm_job(args) -> SlurmJob | None:
+    if not args.slurm:
+        if args.nodes != 1 or args.partition or args.time or args.gpus_per_node or args.sbatch_args:
+            raise LaunchError("--nodes, --partition, --time, --gpus-per-node and --sbatch-args go with --slurm "
+                              "(for several agents on this machine, use --nnodes).")
+        return None
+    extra = tuple(shlex.split(_unquoted(args.sbatch_args) or ""))
+    return SlurmJob(nodes=args.nodes, partition=args.partition, time=args.time, gpus_per_node=args.gpus_per_node,
+                    sbatch_args=extra)
 
 
 def _variables(assignments: list[str]) -> dict[str, str]:

@@ -58,8 +58,12 @@ def collect_result(
     returncode: int | None,
     wall_time_s: float,
     timed_out: bool,
+    launcher_log: str | None = None,
+    job_state: str = "",
+    job_id: str = "",
 ) -> RunResult:
-    """The RunResult of the launch that just ended in `folder`."""
+    """The RunResult of the launch that just ended in `folder`. Exit codes come from the torchrun agents'
+    outcome (local runs), else from what each rank wrote as it ended (Slurm jobs)."""
     outcome = folder.read_own_json(folder.path / "outcome.json") or {}
     finished = outcome.get("succeeded") is True
     failures = {int(rank): seen for rank, seen in (outcome.get("failures") or {}).items()}
@@ -75,6 +79,8 @@ def collect_result(
             exit_code = seen.get("exit_code")
         elif "failures" in outcome:
             exit_code = 0  # the agent listed every rank that failed; this one was not among them
+        elif not outcome and folder.read_own_json(folder.rank_file(rank, "exit.json")):
+            exit_code = folder.read_own_json(folder.rank_file(rank, "exit.json"))["exit_code"]
         else:
             exit_code = None
         facts, unreadable = read_facts(folder, rank)
@@ -93,6 +99,7 @@ def collect_result(
                 group_rank=identity.get("group_rank"),
                 local_rank=identity.get("local_rank"),
                 restart=identity.get("restart", 0),
+                node=identity.get("node"),
             )
         )
     root = find_root_cause(ranks)
@@ -107,6 +114,8 @@ def collect_result(
         devices=devices,
         returncode=returncode,
         timed_out=timed_out,
-        launcher_log=folder.read_text(folder.path / "torchrun.log"),
+        launcher_log=folder.read_text(folder.path / "torchrun.log") if launcher_log is None else launcher_log,
+        job_state=job_state,
+        job_id=job_id,
         run_id=folder.run_id or "",
     )

@@ -49,6 +49,7 @@ class RankResult:
         agent: which of the run's torchrun agents started it (0 .. nnodes - 1; None if it never started).
         group_rank, local_rank: its agent's place in the rendezvous (GROUP_RANK), and its LOCAL_RANK there.
         restart: the restart count (TORCHELASTIC_RESTART_COUNT) of its latest attempt: 0 if never restarted.
+        node: the machine it ran on (its Slurm node name, or this machine's host name).
             `attempts` splits its stdout by attempt.
     """
 
@@ -66,6 +67,7 @@ class RankResult:
     group_rank: int | None = None
     local_rank: int | None = None
     restart: int = 0
+    node: str | None = None
 
     @property
     def attempts(self) -> list[str]:
@@ -148,7 +150,8 @@ class RunResult:
         devices: the device each rank was given ("cpu" or "cuda:k").
         returncode: torchrun's exit code (None if it had to be killed).
         timed_out: the launcher stopped the run after config.timeout_s.
-        launcher_log: torchrun's own output (its error summary, warnings).
+        launcher_log: torchrun's own output (its error summary, warnings); for a Slurm job, the job's output file.
+        job_state, job_id: for a Slurm job, its final state (COMPLETED, FAILED, CANCELLED, TIMEOUT, ...) and id.
     """
 
     config: LaunchConfig
@@ -160,6 +163,8 @@ class RunResult:
     timed_out: bool = False
     launcher_log: str = ""
     run_id: str = ""
+    job_state: str = ""
+    job_id: str = ""
 
     @property
     def run_dir(self) -> Path:
@@ -192,6 +197,8 @@ class RunResult:
 
     def summary(self) -> str:
         agents = f" on {self.config.nnodes} agents" if self.config.nnodes > 1 else ""
+        if self.job_id:
+            agents = f" on {self.config.nnodes} Slurm node(s), job {self.job_id} {self.job_state}"
         restarted = f", restarted {self.restarts} time(s)" if self.restarts else ""
         lines = [
             f"{len(self.ranks)} rank(s){agents}, backend {self.backend}, {self.wall_time_s:.1f} s{restarted}: "

@@ -232,6 +232,22 @@ class OtherAgents:
             os.close(read_end)
             self.pids.append(pid)
             self._argument_pipes.append(write_end)
+        self.stopping = False
+        self.rendezvous_store = None  # the TCPStore every agent meets at, hosted here
+        for pid in self.pids:
+            threading.Thread(target=self._reap, args=(pid,), name="ddp_helpers-agent", daemon=True).start()
+
+    def _reap(self, pid: int) -> None:
+        """Notes the agent's exit. One that failed while the run goes on stops the run: as `srun
+        --kill-on-bad-exit` does on a cluster, or agent 0 would wait for it at torchrun's exit barrier
+        (5 minutes) after its own ranks finished."""
+        _, status = os.waitpid(pid, 0)
+        self.exit_codes[pid] = os.waitstatus_to_exitcode(status)
+        if self.exit_codes[pid] != 0 and not self.stopping:
+            os.kill(os.getpid(), signal.SIGTERM)
+            # Agent 0 may already wait at the exit barrier, in C++, where no signal handler runs: with the
+            # store closed, the wait fails at once.
+            self.rendezvous_store = None
 
     def start(self, torchrun_argv: list[str]) -> None:
         with self._starting:  # the join thread and the final wait may both get here
@@ -240,10 +256,12 @@ class OtherAgents:
                 os.close(write_end)
             self._argument_pipes = []
 
-    def wait(self, timeout_s: float) -> None:
-        """Wait for every agent to end; SIGTERM those still running after `timeout_s`, then SIGKILL."""
+    def wait(self, timeout_s: float, grace_s: float) -> None:
+        """Wait for every agent to end; SIGTERM those still running after `timeout_s` (each then stops its
+        ranks), and SIGKILL those still running `grace_s` later."""
+        self.stopping = True
         self.start([])  # agents never given arguments (this process is stopping) exit at once
-        for sig, wait in ((None, timeout_s), (signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        for sig, wait in ((None, timeout_s), (signal.SIGTERM, grace_s + 1), (signal.SIGKILL, 5.0)):
             alive = [pid for pid in self.pids if pid not in self.exit_codes]
             for pid in alive:
                 if sig is not None:
@@ -252,12 +270,7 @@ class OtherAgents:
                     except ProcessLookupError:
                         pass
             until = time.monotonic() + wait
-            while alive and time.monotonic() < until:
-                for pid in alive:
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                    if done:
-                        self.exit_codes[pid] = os.waitstatus_to_exitcode(status)
-                alive = [pid for pid in alive if pid not in self.exit_codes]
+            while any(pid not in self.exit_codes for pid in alive) and time.monotonic() < until:
                 time.sleep(0.05)
 
     def outcomes(self) -> list[dict]:
@@ -339,7 +352,7 @@ def main(argv: list[str]) -> int:
     nnodes = int(_option(torchrun_argv, "--nnodes").split(":")[-1])  # "2", or "1:2" when agents join later
     world_size = int(_option(torchrun_argv, "--nproc-per-node")) * nnodes
     outcome: dict = {"succeeded": False}
-    pipes = watcher = others = store = None
+    pipes = watcher = others = None
     try:
         if nnodes > 1:
             others = OtherAgents(folder, nnodes)  # forked first, while this process has a single thread
@@ -350,8 +363,10 @@ def main(argv: list[str]) -> int:
 
             # Hosted here for every agent: its port is chosen by the OS, so launches never collide.
             store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            others.rendezvous_store, port = store, store.port
+            del store  # the only reference is the one above: closed when an agent fails (OtherAgents._reap)
             # last_call_timeout: once the minimum of agents is there, how long to wait for more (default 30 s).
-            torchrun_argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}",
+            torchrun_argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                              "--rdzv-id", os.environ[RUN_ID_ENV], "--rdzv-conf", "is_host=false,last_call_timeout=1",
                              *torchrun_argv]
             if _agent_gpus(0) is not None:
@@ -362,10 +377,14 @@ def main(argv: list[str]) -> int:
                 others.start(torchrun_argv)
         outcome = _run_torchrun(torchrun_argv)
         if others is not None:
-            others.wait(timeout_s=float(grace_s) + 2)
+            # Agent 0 failed: the others would wait for it at the exit barrier. Else they are ending too.
+            others.wait(timeout_s=0 if not outcome.get("succeeded") else float(grace_s) + 2, grace_s=float(grace_s))
             outcome = _merge([outcome, *others.outcomes()])
     except _Stopped as stopped:
         outcome = {"succeeded": False, "stopped_by": str(stopped)}
+        if others is not None:  # stopped because another agent failed: its outcome tells which rank
+            others.wait(timeout_s=0, grace_s=float(grace_s))
+            outcome = _merge([outcome, *others.outcomes()])
     except BaseException as error:  # noqa: BLE001 - the agent itself failed: say so, still clean up
         traceback.print_exc()
         outcome = {"succeeded": False, "agent_error": f"{type(error).__name__}: {error}"}
@@ -373,7 +392,7 @@ def main(argv: list[str]) -> int:
         for signum in _STOP_SIGNALS:  # cleanup is not to be interrupted; the launcher's last resort is SIGKILL
             signal.signal(signum, signal.SIG_IGN)
         if others is not None:
-            others.wait(timeout_s=float(grace_s))  # stopped: they stop their ranks, then we sweep
+            others.wait(timeout_s=0, grace_s=float(grace_s))  # stopping: they stop their ranks, then we sweep
         kill_marked(os.environ[RUN_ID_ENV], RUN_ID_ENV)
         kill_process_groups(folder.rank_pids(world_size))
         if watcher is not None:
@@ -381,7 +400,8 @@ def main(argv: list[str]) -> int:
             outcome["died_at"] = watcher.died_at
         if pipes is not None:
             pipes.close()
-        del store
+        if others is not None:
+            others.rendezvous_store = None
         shutil.rmtree(folder.path / "pipes", ignore_errors=True)
         shutil.rmtree(folder.path / "torchelastic", ignore_errors=True)
         for stack in folder.path.glob("rank*.stack"):

@@ -24,3 +24,13 @@ def write_script(tmp_path):
 def runs_in_tmp(tmp_path, monkeypatch):
     # %%torchrun cells in tests write their scripts here, not into the project's runs/.
     monkeypatch.setenv("DDP_HELPERS_RUNS", str(tmp_path / "runs"))
+
+
+@pytest.fixture(scope="session")
+def ipython():
+    """One IPython shell for the session (IPython's test shell is a singleton), with %%torchrun loaded."""
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "ddp_helpers")
+    return shell

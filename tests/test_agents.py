@@ -80,6 +80,16 @@ def test_two_agents_make_one_world_with_every_rank_labelled(write_script):
     assert "4 rank(s) on 2 agents" in run.summary()
 
 
+@pytest.mark.parametrize("failing", ["1", "3"])
+def test_a_rank_failing_after_the_others_finished_ends_the_run_at_once(write_script, failing):
+    # The other agent's ranks are done: it would wait 5 minutes at torchrun's exit barrier for the failed one.
+    late = IDENTITY.replace("dist.barrier()\n", "")
+    run = run_on_cpu(write_script("late", late), nproc=2, nnodes=2, stream=False, timeout_s=60,
+                     extra_env={"FAIL_RANK": failing})
+    assert not run.ok and not run.timed_out, failure_report(run)
+    assert run.first_failure.rank == int(failing) and run.wall_time_s < 30
+
+
 def test_a_rank_failing_under_the_second_agent_is_named(write_script):
     run = run_on_cpu(write_script("identity", IDENTITY), nproc=2, nnodes=2, stream=False, extra_env={"FAIL_RANK": "3"})
     assert not run.ok

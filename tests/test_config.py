@@ -156,3 +156,27 @@ def test_bad_kill_options_are_refused(script, kill_rank, kill_after, message):
 def test_bad_join_options_are_refused(script, nnodes, join_after, message):
     with pytest.raises(LaunchError, match=message):
         make_launch_config(script, nproc=2, nnodes=nnodes, join_after=join_after, hardware=NO_GPU)
+
+
+def test_a_slurm_launch_takes_its_defaults_from_the_job_not_this_machine(script):
+    from ddp_helpers.config import SlurmJob
+
+    cpu = make_launch_config(script, slurm=SlurmJob(nodes=3), hardware=TWO_GPUS)
+    assert (cpu.nproc, cpu.backend, cpu.nnodes, cpu.world_size, cpu.warm) == (2, "gloo", 3, 6, False)
+    gpu = make_launch_config(script, slurm=SlurmJob(nodes=2, gpus_per_node=8), hardware=NO_GPU)
+    assert (gpu.nproc, gpu.backend, gpu.world_size) == (8, "nccl", 16)
+
+
+@pytest.mark.parametrize("job, options, message", [
+    ({"nodes": 0}, {}, "slurm nodes must be a whole number from 1 to 64"),
+    ({"partition": "a b"}, {}, "slurm partition 'a b' is not a valid value"),
+    ({"sbatch_args": "--mem=4G"}, {}, "sbatch_args must be sbatch options, each as one string"),
+    ({"gpus_per_node": 2}, {"nproc": 4}, "4 ranks per node but 2 GPU"),
+    ({}, {"backend": "nccl"}, "backend 'nccl' on Slurm needs GPUs"),
+    ({}, {"nnodes": 2}, "nnodes is for runs on this machine"),
+])
+def test_bad_slurm_jobs_are_refused_before_submitting(script, job, options, message):
+    from ddp_helpers.config import SlurmJob
+
+    with pytest.raises(LaunchError, match=message):
+        make_launch_config(script, slurm=SlurmJob(**job), hardware=NO_GPU, **options)

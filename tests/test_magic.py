@@ -5,7 +5,6 @@ import re
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import start_ipython
 
 from ddp_helpers.config import detect_hardware
 from ddp_helpers.result import RunFailed
@@ -16,13 +15,6 @@ NCCL_TOO_MANY = (
     ("--backend nccl", r"needs CUDA GPUs.*--backend gloo") if GPUS == 0
     else (f"--backend nccl -n {GPUS + 1}", rf"{GPUS + 1} ranks asked for but only {GPUS} GPU.*--backend gloo")
 )
-
-
-@pytest.fixture(scope="module")
-def ipython():
-    shell = start_ipython()
-    shell.run_line_magic("load_ext", "ddp_helpers")
-    return shell
 
 
 def run_cell(shell, line: str, body: str):
@@ -49,6 +41,9 @@ def test_help_lists_the_options_and_launches_nothing(ipython, capsys, tmp_path):
         ("--name ../escape", r"--name must be letters"),
         ("--out 1x", r"--out must be a Python variable name"),
         ("--nnodes 0", r"nnodes must be a whole number of agents from 1 to 8"),
+        ("--nodes 2", r"--nodes, --partition, .* go with --slurm"),
+        ("--slurm --nodes 0", r"slurm nodes must be a whole number from 1 to 64"),
+        ("--env NOEQUALS", r"--env takes NAME=VALUE"),
         ("--kill-rank 1", r"kill_rank and kill_after go together"),
         ("-n 2 --kill-rank 5 --kill-after 'step 1'", r"kill_rank must be a rank of this run, 0 to 1, got '5'"),
     ],

@@ -1,0 +1,175 @@
+"""Cells on a real Slurm cluster (two slurmd nodes on this machine, stood up for the session; see
+slurm_cluster.py): one world across the nodes with every rank's output and facts back, a failing rank
+named, the timeout, the stop button and a killed kernel cancelling the job and leaving no process,
+Slurm's own refusal as the error, and the generated job script running with plain sbatch."""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_helpers import LaunchError, launch, make_launch_config
+from ddp_helpers.config import SlurmJob
+from ddp_helpers.run_folder import RUN_ID_ENV
+from slurm_cluster import LocalSlurmCluster, slurm_installed
+from support import failure_report, processes_left
+
+WHO = """
+import os
+import torch
+import torch.distributed as dist
+from ddp_helpers import record
+
+dist.init_process_group("gloo")
+total = torch.tensor([dist.get_rank()])
+dist.all_reduce(total)
+record("sum", total.item())
+record("world", dist.get_world_size())
+print(f"rank {dist.get_rank()} on {os.environ['SLURMD_NODENAME']}")
+if os.environ.get("FAIL_RANK") == os.environ["RANK"]:
+    raise ValueError("rank fails on purpose")
+dist.destroy_process_group()
+"""
+
+SLEEPER = """
+import time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print("started", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if not slurm_installed():
+        pytest.fail("Slurm is not installed: apt-get install --no-install-recommends slurmd slurmctld slurm-client "
+                    "(.ci/run does it)")
+    base = Path(tempfile.mkdtemp(prefix="ddp-lessons-slurm-"))
+    running = LocalSlurmCluster(base).start()
+    previous = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(running.conf)
+    yield running
+    running.stop()
+    if previous is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = previous
+
+
+def wait_until(condition, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting until {what}")
+
+
+def test_a_two_node_cell_makes_one_world_with_every_ranks_output_and_facts(cluster, ipython, capsys):
+    shell = ipython
+    result = shell.run_cell(f"%%torchrun --slurm --nodes 2 -n 2 --name who --out who --timeout 90\n{WHO}")
+    assert result.success, result.error_in_exec
+    run = shell.user_ns["who"]
+    assert run.ok and run.job_state == "COMPLETED", failure_report(run)
+    assert run.facts("sum") == [6] * 4 and run.facts("world") == [4] * 4
+    assert {r.node for r in run.ranks} == {"n1", "n2"}
+    for r in run.ranks:
+        assert f"rank {r.rank} on {r.node}" in r.stdout
+    shown = capsys.readouterr().out
+    assert f"Slurm job {run.job_id}: RUNNING" in shown and "rank 3 on n" in shown
+    job_script = run.config.script.with_suffix(".sbatch")
+    assert "srun" in job_script.read_text() and "--rdzv-id \"$SLURM_JOB_ID\"" in job_script.read_text()
+    assert not cluster.jobs()
+
+
+def test_a_failing_rank_is_named(cluster, write_script):
+    config = make_launch_config(write_script("who", WHO), slurm=SlurmJob(nodes=2), nproc=2, timeout_s=90,
+                                stream=False, extra_env={"FAIL_RANK": "3"})
+    run = launch(config)
+    assert not run.ok and run.job_state == "FAILED", failure_report(run)
+    assert run.first_failure.rank == 3 and "ValueError: rank fails on purpose" in run.summary()
+
+
+def test_the_timeout_cancels_the_job_and_leaves_no_process(cluster, write_script):
+    config = make_launch_config(write_script("sleeper", SLEEPER), slurm=SlurmJob(nodes=2), nproc=2, timeout_s=12,
+                                stream=False)
+    run = launch(config)
+    assert run.timed_out and not run.ok
+    assert not cluster.jobs(), "the job must be cancelled"
+    wait_until(lambda: not processes_left(RUN_ID_ENV, run.run_id), 15, "no process of the job is left")
+
+
+LAUNCHING_PROCESS = textwrap.dedent(
+    """
+    import sys
+    from ddp_helpers import launch, make_launch_config
+    from ddp_helpers.config import SlurmJob
+    config = make_launch_config(sys.argv[1], slurm=SlurmJob(nodes=2), nproc=2, timeout_s=200, stream=False,
+                                run_dir=sys.argv[2])
+    try:
+        launch(config)
+    except KeyboardInterrupt:
+        print("launcher saw KeyboardInterrupt", flush=True)
+        sys.exit(130)
+    """
+)
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["stop button", "kernel killed"])
+def test_stopping_the_cell_or_killing_the_kernel_cancels_the_job(cluster, write_script, tmp_path, how):
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHING_PROCESS, str(write_script("sleeper", SLEEPER)),
+                                 str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: all("started" in _read(run_dir / f"rank{r}.stdout") for r in range(4)), 90,
+                   "every rank of the job runs")
+        run_id = (run_dir / ".ddp_helpers-run").read_text()
+        marker = run_id.split('"run_id": "')[1].split('"')[0]
+        assert processes_left(RUN_ID_ENV, marker)
+        launcher.send_signal(how)
+        wait_until(lambda: not cluster.jobs(), 30, "the job is cancelled")
+        wait_until(lambda: not processes_left(RUN_ID_ENV, marker), 15, "no process of the job is left")
+        if how == signal.SIGINT:
+            assert "launcher saw KeyboardInterrupt" in launcher.communicate(timeout=60)[0]
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def test_a_job_slurm_refuses_is_one_error_with_slurms_message(cluster, write_script):
+    config = make_launch_config(write_script("who", WHO), slurm=SlurmJob(nodes=2, partition="nope"), stream=False)
+    with pytest.raises(LaunchError, match=r"Slurm did not accept the job:\n.*invalid partition"):
+        launch(config)
+    config = make_launch_config(write_script("who", WHO), slurm=SlurmJob(nodes=5), stream=False)
+    with pytest.raises(LaunchError, match=r"Slurm will not start job \d+ as asked: it waits with reason "
+                                          r"\w*(PartitionConfig|NodeLimit)"):
+        launch(config)
+    assert not cluster.jobs(), "the job that could never start is cancelled"
+
+
+def test_the_generated_job_script_runs_with_plain_sbatch(cluster, write_script):
+    config = make_launch_config(write_script("who", WHO), slurm=SlurmJob(nodes=2), nproc=1, timeout_s=90, stream=False)
+    first = launch(config)
+    assert first.ok, failure_report(first)
+    for stale in first.run_dir.glob("rank*"):
+        stale.unlink()
+    job_script = config.script.with_suffix(".sbatch")
+    done = subprocess.run(["sbatch", "--wait", str(job_script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    outputs = sorted(first.run_dir.glob("rank*.stdout"))
+    assert [p.name for p in outputs] == ["rank0.stdout", "rank1.stdout"]
+    assert "rank 1 on n" in outputs[1].read_text()

@@ -330,7 +330,9 @@ def make_launch_config(
             raise LaunchError(f"cwd {working_dir} is not a folder. Example: cwd='.' for the notebook's folder.")
 
     if slurm is not None:
-        return _slurm_launch_config(script_path, slurm, nproc=nproc, backend=backend, timeout_s=timeout_s,
+        from .slurm import slurm_launch_config
+
+        return slurm_launch_config(script_path, slurm, nproc=nproc, backend=backend, timeout_s=timeout_s,
                                     run_dir=run_dir, cwd=working_dir, extra_env=env, script_args=script_args,
                                     stream=stream, max_restarts=max_restarts,
                                     unsupported={"nnodes": nnodes != 1, "kill_rank": kill_rank is not None,
@@ -388,42 +390,3 @@ def make_launch_config(
         join_after=join_after,
     )
 
-
-def _slurm_launch_config(script: Path, slurm: SlurmJob, *, nproc, backend, timeout_s, run_dir, cwd, extra_env,
-                         script_args, stream, max_restarts, unsupported: dict[str, bool]) -> LaunchConfig:
-    """A launch on a Slurm cluster: validated against the job's options, not this machine's hardware."""
-    if not isinstance(slurm, SlurmJob):
-        raise LaunchError(f"slurm must be a SlurmJob(nodes=..., partition=...), got {type(slurm).__name__}.")
-    for option, given in unsupported.items():
-        if given:
-            raise LaunchError(f"{option} is for runs on this machine; on Slurm the job's nodes are slurm.nodes "
-                              "(magic: --nodes).")
-    nodes = slurm.nodes
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_SLURM_NODES:
-        raise LaunchError(f"slurm nodes must be a whole number from 1 to {MAX_SLURM_NODES}, got {nodes!r}. "
-                          "Example: --nodes 2")
-    gpus = slurm.gpus_per_node
-    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
-        raise LaunchError(f"gpus_per_node must be a whole number of GPUs (1 or more), got {gpus!r}.")
-    for name, value in (("partition", slurm.partition), ("time", slurm.time)):
-        if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_.:,\-]+", value)):
-            raise LaunchError(f"slurm {name} {value!r} is not a valid value. Example: --partition gpu --time 00:10:00")
-    if isinstance(slurm.sbatch_args, str) or not all(isinstance(arg, str) and arg.startswith("--")
-                                                     for arg in slurm.sbatch_args):
-        raise LaunchError(f"sbatch_args must be sbatch options, each as one string, got {slurm.sbatch_args!r}. "
-                          "Example: ('--account=ml', '--mem=8G')")
-    backend = backend or ("nccl" if gpus else "gloo")
-    if backend not in BACKENDS:
-        raise LaunchError(f"Unknown backend {backend!r}: use 'nccl' (one GPU per rank) or 'gloo' (CPU processes).")
-    if backend == "nccl" and not gpus:
-        raise LaunchError("backend 'nccl' on Slurm needs GPUs: give gpus_per_node (magic: --gpus-per-node).")
-    nproc = parse_nproc(nproc if nproc is not None else (gpus if backend == "nccl" else DEFAULT_CPU_NPROC))
-    if backend == "nccl" and nproc > gpus:
-        raise LaunchError(f"{nproc} ranks per node but {gpus} GPU(s) per node: with nccl each rank needs its own GPU.")
-    return LaunchConfig(
-        script=script, nproc=nproc, backend=backend, timeout_s=timeout_s,
-        run_dir=Path(run_dir).expanduser().resolve() if run_dir else default_run_dir(script),
-        extra_env=extra_env, script_args=tuple(str(a) for a in script_args), stream=stream, cwd=cwd,
-        warm=False, max_restarts=max_restarts, nnodes=nodes,
-        slurm=SlurmJob(nodes, slurm.partition, slurm.time, gpus, tuple(slurm.sbatch_args)),
-    )

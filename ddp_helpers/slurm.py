@@ -24,6 +24,7 @@ is not capped; the ranks' environment is the cluster's (plus the job script's ex
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -32,7 +33,9 @@ import time
 import uuid
 from pathlib import Path
 
-from .config import LaunchConfig
+from .config import (
+    BACKENDS, DEFAULT_CPU_NPROC, MAX_SLURM_NODES, LaunchConfig, SlurmJob, default_run_dir, parse_nproc,
+)
 from .errors import LaunchError
 from .output import RankOutputStreamer
 from .readback import collect_result
@@ -47,6 +50,46 @@ NEVER_STARTS = ("PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "
                 "AssocMaxNodesPerJobLimit", "AssocMaxWallDurationPerJobLimit", "QOSMaxWallDurationPerJobLimit")
 CANCEL_WAIT_S = 30
 _QUERY_TIMEOUT_S = 20  # squeue against a controller that is down hangs about 10 s
+
+
+def slurm_launch_config(script: Path, slurm: SlurmJob, *, nproc, backend, timeout_s, run_dir, cwd, extra_env,
+                         script_args, stream, max_restarts, unsupported: dict[str, bool]) -> LaunchConfig:
+    """A launch on a Slurm cluster: validated against the job's options, not this machine's hardware."""
+    if not isinstance(slurm, SlurmJob):
+        raise LaunchError(f"slurm must be a SlurmJob(nodes=..., partition=...), got {type(slurm).__name__}.")
+    for option, given in unsupported.items():
+        if given:
+            raise LaunchError(f"{option} is for runs on this machine; on Slurm the job's nodes are slurm.nodes "
+                              "(magic: --nodes).")
+    nodes = slurm.nodes
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_SLURM_NODES:
+        raise LaunchError(f"slurm nodes must be a whole number from 1 to {MAX_SLURM_NODES}, got {nodes!r}. "
+                          "Example: --nodes 2")
+    gpus = slurm.gpus_per_node
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
+        raise LaunchError(f"gpus_per_node must be a whole number of GPUs (1 or more), got {gpus!r}.")
+    for name, value in (("partition", slurm.partition), ("time", slurm.time)):
+        if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_.:,\-]+", value)):
+            raise LaunchError(f"slurm {name} {value!r} is not a valid value. Example: --partition gpu --time 00:10:00")
+    if isinstance(slurm.sbatch_args, str) or not all(isinstance(arg, str) and arg.startswith("--")
+                                                     for arg in slurm.sbatch_args):
+        raise LaunchError(f"sbatch_args must be sbatch options, each as one string, got {slurm.sbatch_args!r}. "
+                          "Example: ('--account=ml', '--mem=8G')")
+    backend = backend or ("nccl" if gpus else "gloo")
+    if backend not in BACKENDS:
+        raise LaunchError(f"Unknown backend {backend!r}: use 'nccl' (one GPU per rank) or 'gloo' (CPU processes).")
+    if backend == "nccl" and not gpus:
+        raise LaunchError("backend 'nccl' on Slurm needs GPUs: give gpus_per_node (magic: --gpus-per-node).")
+    nproc = parse_nproc(nproc if nproc is not None else (gpus if backend == "nccl" else DEFAULT_CPU_NPROC))
+    if backend == "nccl" and nproc > gpus:
+        raise LaunchError(f"{nproc} ranks per node but {gpus} GPU(s) per node: with nccl each rank needs its own GPU.")
+    return LaunchConfig(
+        script=script, nproc=nproc, backend=backend, timeout_s=timeout_s,
+        run_dir=Path(run_dir).expanduser().resolve() if run_dir else default_run_dir(script),
+        extra_env=extra_env, script_args=tuple(str(a) for a in script_args), stream=stream, cwd=cwd,
+        warm=False, max_restarts=max_restarts, nnodes=nodes,
+        slurm=SlurmJob(nodes, slurm.partition, slurm.time, gpus, tuple(slurm.sbatch_args)),
+    )
 
 
 def job_script_path(config: LaunchConfig) -> Path:

@@ -27,7 +27,6 @@ parent-death signal) and cleans up. It lives in its own session, so the notebook
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import shutil
@@ -37,25 +36,13 @@ import threading
 import time
 import traceback
 
+from .agents import (
+    STOP_SIGNALS, JoinWhenSeen, OtherAgents, Stopped, agent_gpus, merge_outcomes, raise_stopped, run_torchrun,
+)
 from .processes import (
     ARM_PARENT_DEATH_FAILED, arm_parent_death_signal, kill_marked, kill_process_groups, process_is_dead,
 )
-from .run_folder import (
-    AGENT_ENV, AGENT_GPUS_ENV, AGENT_PID_ENV, JOIN_AFTER_ENV, OUTPUT_KEEP_BYTES, RUN_ID_ENV, RunFolder,
-)
-
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-class _Stopped(BaseException):
-    """SIGTERM/SIGINT/SIGHUP before or after the agent's own handlers were in place."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-
-
-def _raise_stopped(signum, frame):
-    raise _Stopped(signum)
+from .run_folder import AGENT_ENV, AGENT_PID_ENV, JOIN_AFTER_ENV, OUTPUT_KEEP_BYTES, RUN_ID_ENV, RunFolder
 
 
 class CappedOutput:
@@ -177,169 +164,13 @@ class DeathWatcher:
         self.look()
 
 
-def _run_torchrun(argv: list[str]) -> dict:
-    """Run the torchrun agent here; return what it observed."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    try:
-        run(parse_args(argv))
-        return {"succeeded": True}
-    except ChildFailedError as failed:
-        return {
-            "succeeded": False,
-            "failures": {int(rank): {"exit_code": int(f.exitcode)} for rank, f in failed.failures.items()},
-        }
-    except SignalException as stopped:
-        return {"succeeded": False, "stopped_by": signal.Signals(stopped.sigval).name}
-
-
 def _option(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-def _agent_gpus(agent: int) -> str | None:
-    """The GPUs agent `agent` may use (CUDA_VISIBLE_DEVICES), when the launcher split them per agent."""
-    split = os.environ.get(AGENT_GPUS_ENV)
-    return split.split(";")[agent] if split else None
-
-
-class OtherAgents:
-    """Agents 1 .. N-1, forked from this process before it starts any thread (cheap: a warm supervisor
-    has torch imported already), each in a session of its own. They wait for their torchrun arguments
-    (which name the rendezvous store, made after the fork) on a pipe."""
-
-    def __init__(self, folder: RunFolder, nnodes: int):
-        self._folder = folder
-        self.pids: list[int] = []
-        self._argument_pipes: list[int] = []
-        self.exit_codes: dict[int, int] = {}
-        self._starting = threading.Lock()
-        parent = os.getpid()
-        for agent in range(1, nnodes):
-            read_end, write_end = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                for other_write_end in (write_end, *self._argument_pipes):  # else an earlier agent's pipe never ends
-                    os.close(other_write_end)
-                code = 1
-                try:
-                    os.setsid()
-                    code = _run_other_agent(agent, parent, read_end, folder)
-                finally:
-                    os._exit(code)
-            os.close(read_end)
-            self.pids.append(pid)
-            self._argument_pipes.append(write_end)
-        self.stopping = False
-        self.rendezvous_store = None  # the TCPStore every agent meets at, hosted here
-        for pid in self.pids:
-            threading.Thread(target=self._reap, args=(pid,), name="ddp_helpers-agent", daemon=True).start()
-
-    def _reap(self, pid: int) -> None:
-        """Notes the agent's exit. One that failed while the run goes on stops the run: as `srun
-        --kill-on-bad-exit` does on a cluster, or agent 0 would wait for it at torchrun's exit barrier
-        (5 minutes) after its own ranks finished."""
-        _, status = os.waitpid(pid, 0)
-        self.exit_codes[pid] = os.waitstatus_to_exitcode(status)
-        if self.exit_codes[pid] != 0 and not self.stopping:
-            os.kill(os.getpid(), signal.SIGTERM)
-            # Agent 0 may already wait at the exit barrier, in C++, where no signal handler runs: with the
-            # store closed, the wait fails at once.
-            self.rendezvous_store = None
-
-    def start(self, torchrun_argv: list[str]) -> None:
-        with self._starting:  # the join thread and the final wait may both get here
-            for write_end in self._argument_pipes:
-                os.write(write_end, json.dumps(torchrun_argv).encode())
-                os.close(write_end)
-            self._argument_pipes = []
-
-    def wait(self, timeout_s: float, grace_s: float) -> None:
-        """Wait for every agent to end; SIGTERM those still running after `timeout_s` (each then stops its
-        ranks), and SIGKILL those still running `grace_s` later."""
-        self.stopping = True
-        self.start([])  # agents never given arguments (this process is stopping) exit at once
-        for sig, wait in ((None, timeout_s), (signal.SIGTERM, grace_s + 1), (signal.SIGKILL, 5.0)):
-            alive = [pid for pid in self.pids if pid not in self.exit_codes]
-            for pid in alive:
-                if sig is not None:
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
-            until = time.monotonic() + wait
-            while any(pid not in self.exit_codes for pid in alive) and time.monotonic() < until:
-                time.sleep(0.05)
-
-    def outcomes(self) -> list[dict]:
-        return [self._folder.read_own_json(self._folder.path / f"agent{agent}.outcome.json")
-                or {"succeeded": False, "agent_error": f"agent {agent} ended without a word (exit code "
-                                                        f"{self.exit_codes.get(pid)})"}
-                for agent, pid in enumerate(self.pids, start=1)]
-
-
-class JoinWhenSeen:
-    """Elastic membership: calls `join` once rank 0's output contains `text` (checked every 0.1 s)."""
-
-    def __init__(self, folder: RunFolder, text: str, join):
-        self._path, self._text, self._join = folder.rank_file(0, "stdout"), text.encode(), join
-        threading.Thread(target=self._watch, name="ddp_helpers-join", daemon=True).start()
-
-    def _watch(self) -> None:
-        while True:
-            try:
-                if self._text in self._path.read_bytes():
-                    break
-            except OSError:
-                pass
-            time.sleep(0.1)
-        print(f"[ddp_helpers] rank 0 printed {self._text.decode()!r}: the other agents start and join", flush=True)
-        self._join()
-
-
-def _merge(outcomes: list[dict]) -> dict:
-    """One outcome for the run from every agent's."""
-    merged: dict = {"succeeded": all(o.get("succeeded") for o in outcomes)}
-    failures = {rank: f for o in outcomes for rank, f in (o.get("failures") or {}).items()}
-    if failures or any("failures" in o for o in outcomes):
-        merged["failures"] = failures
-    for key in ("stopped_by", "agent_error"):
-        found = [o[key] for o in outcomes if key in o]
-        if found:
-            merged[key] = found[0]
-    return merged
-
-
-def _run_other_agent(agent: int, parent_pid: int, argument_pipe: int, folder: RunFolder) -> int:
-    """In a forked child: agent `agent` of the run. Its parent (agent 0's supervisor) sweeps at the end."""
-    if arm_parent_death_signal(signal.SIGTERM, parent_pid) == ARM_PARENT_DEATH_FAILED:
-        return 1
-    with os.fdopen(argument_pipe, "rb") as pipe:
-        torchrun_argv = json.loads(pipe.read() or b"[]")
-    if not torchrun_argv:
-        return 1  # the supervisor stopped before the rendezvous was set up
-    os.environ[AGENT_PID_ENV] = str(os.getpid())
-    os.environ[AGENT_ENV] = str(agent)
-    if _agent_gpus(agent) is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = _agent_gpus(agent)
-    try:
-        outcome = _run_torchrun(torchrun_argv)
-    except _Stopped as stopped:
-        outcome = {"succeeded": False, "stopped_by": str(stopped)}
-    except BaseException as error:  # noqa: BLE001 - the agent itself failed: say so
-        traceback.print_exc()
-        outcome = {"succeeded": False, "agent_error": f"{type(error).__name__}: {error}"}
-    folder.write_json(folder.path / f"agent{agent}.outcome.json", outcome)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    return 0 if outcome.get("succeeded") else 1
-
-
 def main(argv: list[str]) -> int:
-    for signum in _STOP_SIGNALS:
-        signal.signal(signum, _raise_stopped)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, raise_stopped)
     parent_pid, grace_s, separator, *torchrun_argv = argv
     assert separator == "--", "usage: python -m ddp_helpers.supervisor PARENT_PID GRACE_S -- TORCHRUN_ARGS..."
     # The kernel's death reaches us as SIGTERM: we stop the run, then exit.
@@ -369,27 +200,27 @@ def main(argv: list[str]) -> int:
             torchrun_argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                              "--rdzv-id", os.environ[RUN_ID_ENV], "--rdzv-conf", "is_host=false,last_call_timeout=1",
                              *torchrun_argv]
-            if _agent_gpus(0) is not None:
-                os.environ["CUDA_VISIBLE_DEVICES"] = _agent_gpus(0)
+            if agent_gpus(0) is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = agent_gpus(0)
             if os.environ.get(JOIN_AFTER_ENV):
                 JoinWhenSeen(folder, os.environ[JOIN_AFTER_ENV], lambda argv=torchrun_argv: others.start(argv))
             else:
                 others.start(torchrun_argv)
-        outcome = _run_torchrun(torchrun_argv)
+        outcome = run_torchrun(torchrun_argv)
         if others is not None:
             # Agent 0 failed: the others would wait for it at the exit barrier. Else they are ending too.
             others.wait(timeout_s=0 if not outcome.get("succeeded") else float(grace_s) + 2, grace_s=float(grace_s))
-            outcome = _merge([outcome, *others.outcomes()])
-    except _Stopped as stopped:
+            outcome = merge_outcomes([outcome, *others.outcomes()])
+    except Stopped as stopped:
         outcome = {"succeeded": False, "stopped_by": str(stopped)}
         if others is not None:  # stopped because another agent failed: its outcome tells which rank
             others.wait(timeout_s=0, grace_s=float(grace_s))
-            outcome = _merge([outcome, *others.outcomes()])
+            outcome = merge_outcomes([outcome, *others.outcomes()])
     except BaseException as error:  # noqa: BLE001 - the agent itself failed: say so, still clean up
         traceback.print_exc()
         outcome = {"succeeded": False, "agent_error": f"{type(error).__name__}: {error}"}
     finally:
-        for signum in _STOP_SIGNALS:  # cleanup is not to be interrupted; the launcher's last resort is SIGKILL
+        for signum in STOP_SIGNALS:  # cleanup is not to be interrupted; the launcher's last resort is SIGKILL
             signal.signal(signum, signal.SIG_IGN)
         if others is not None:
             others.wait(timeout_s=0, grace_s=float(grace_s))  # stopping: they stop their ranks, then we sweep

@@ -2,7 +2,6 @@
 holds every global rank, labelled with its agent and attempt; a killed rank is restarted and the run
 ends as an uninterrupted one would."""
 
-import textwrap
 
 import pytest
 

@@ -101,13 +101,16 @@ def _judge_snapshots(mine: dict | None, theirs: dict | None, report: ExerciseRep
         report.confirmed.append("the final weights are bitwise those of the same training without a kill")
 
 
-def run_torchrun_command(arguments: list[str], timeout_s: float = 60) -> tuple[int | None, str]:
-    """Run `torchrun ARGUMENTS` as a terminal would (the real command, not through this course's launcher):
-    (its exit code, None if it had to be stopped; its output). Everything it started is killed at the end."""
+def run_torchrun_commands(commands: list[list[str]], start_gap_s: float = 0.0,
+                          timeout_s: float = 60) -> list[tuple[int | None, str]]:
+    """Run `torchrun ARGUMENTS` for each entry of `commands` at once, as terminals would (the real
+    command, not through this course's launcher), the next one `start_gap_s` after the previous:
+    [(exit code, None if it had to be stopped; its output)]. Everything they started is killed at the end."""
     import os
     import signal
     import subprocess
     import sys
+    import time
     import uuid
 
     from ..config import RESERVED_ENV, RESERVED_ENV_PREFIXES
@@ -116,17 +119,34 @@ def run_torchrun_command(arguments: list[str], timeout_s: float = 60) -> tuple[i
     marker = uuid.uuid4().hex
     env = {key: value for key, value in os.environ.items()
            if key not in RESERVED_ENV and not key.startswith(RESERVED_ENV_PREFIXES)}
-    env["DDP_LESSONS_TORCHRUN_COMMAND"] = marker  # found by the sweep below, in every process it starts
-    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *arguments], env=env,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
+    env.update({"DDP_LESSONS_TORCHRUN_COMMAND": marker,  # found by the sweep below, in every process started
+                "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"})
+    processes = []
     try:
-        output, _ = process.communicate(timeout=timeout_s)
-        code = process.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        code = None
+        for number, arguments in enumerate(commands):
+            if number:
+                time.sleep(start_gap_s)
+            processes.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", *arguments], env=env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        results = []
+        for process in processes:
+            try:
+                output, _ = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                results.append((process.returncode, output))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                results.append((None, process.communicate()[0]))
+        return results
     finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
         kill_marked(marker, "DDP_LESSONS_TORCHRUN_COMMAND")
-    return code, output
+
+
+def run_torchrun_command(arguments: list[str], timeout_s: float = 60) -> tuple[int | None, str]:
+    """`run_torchrun_commands` for one command."""
+    return run_torchrun_commands([arguments], timeout_s=timeout_s)[0]

@@ -85,6 +85,7 @@ class OtherAgents:
             self.pids.append(pid)
             self._argument_pipes.append(write_end)
         self.stopping = False
+        self.started = False  # given their arguments: with join_after, only once rank 0 printed the text
         self.rendezvous_store = None  # the TCPStore every agent meets at, hosted here
         for pid in self.pids:
             threading.Thread(target=self._reap, args=(pid,), name="ddp_helpers-agent", daemon=True).start()
@@ -103,6 +104,7 @@ class OtherAgents:
 
     def start(self, torchrun_argv: list[str]) -> None:
         with self._starting:  # the join thread and the final wait may both get here
+            self.started = self.started or bool(self._argument_pipes and torchrun_argv)
             for write_end in self._argument_pipes:
                 os.write(write_end, json.dumps(torchrun_argv).encode())
                 os.close(write_end)
@@ -126,6 +128,9 @@ class OtherAgents:
                 time.sleep(0.05)
 
     def outcomes(self) -> list[dict]:
+        """Each started agent's outcome (none when they never joined: the run went on without them)."""
+        if not self.started:
+            return []
         return [self._folder.read_own_json(self._folder.path / f"agent{agent}.outcome.json")
                 or {"succeeded": False, "agent_error": f"agent {agent} ended without a word (exit code "
                                                         f"{self.exit_codes.get(pid)})"}

@@ -69,7 +69,10 @@ def collect_result(
     failures = {int(rank): seen for rank, seen in (outcome.get("failures") or {}).items()}
     died_at = {int(rank): t for rank, t in (outcome.get("died_at") or {}).items()}
     ranks = []
-    for rank in range(config.world_size):
+    world_size = config.world_size
+    if config.join_after:  # elastic: the world as large as it grew (agents that never joined left no rank)
+        world_size = max([folder.rank_identity(r).get("world_size", 0) for r in range(world_size)] + [config.nproc])
+    for rank in range(world_size):
         identity = folder.rank_identity(rank)
         error = folder.read_own_json(folder.rank_file(rank, "error.json"))
         seen = failures.get(rank)
@@ -105,7 +108,7 @@ def collect_result(
     root = find_root_cause(ranks)
     if root is not None:
         ranks[root.rank] = replace(root, root_cause=True)
-    devices = tuple(f"cuda:{r}" if config.backend == "nccl" else "cpu" for r in range(config.world_size))
+    devices = tuple(f"cuda:{r}" if config.backend == "nccl" else "cpu" for r in range(world_size))
     return RunResult(
         config=config,
         ranks=tuple(ranks),

@@ -168,3 +168,11 @@ def test_without_restarts_a_killed_rank_is_named_as_killed(write_script):
     run = run_on_cpu(write_script("resuming", RESUMING), nproc=2, stream=False, kill_rank=0, kill_after="step 2 done")
     assert not run.ok
     assert run.first_failure.rank == 0 and run.first_failure.status.startswith("killed by SIGKILL"), failure_report(run)
+
+
+def test_agents_that_never_join_leave_a_successful_run_alone(write_script):
+    run = run_on_cpu(write_script("identity", IDENTITY), nproc=2, nnodes=2, join_after="text never printed",
+                     stream=False)
+    assert run.ok, failure_report(run)
+    assert [r.rank for r in run.ranks] == [0, 1], "the world never grew: ranks 2 and 3 never existed"
+    assert [env["WORLD_SIZE"] for env in run.facts("env")] == [2, 2]

@@ -4,6 +4,7 @@ named, the timeout, the stop button and a killed kernel cancelling the job and l
 Slurm's own refusal as the error, and the generated job script running with plain sbatch."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,12 +52,16 @@ def cluster():
     if not slurm_installed():
         pytest.fail("Slurm is not installed: apt-get install --no-install-recommends slurmd slurmctld slurm-client "
                     "(.ci/run does it)")
+    if os.geteuid() != 0:
+        pytest.fail("The Slurm tests run a two-node cluster on this machine as root (munged, slurmctld, slurmd): "
+                    "run them as root, as CI does")
     base = Path(tempfile.mkdtemp(prefix="ddp-lessons-slurm-"))
     running = LocalSlurmCluster(base).start()
     previous = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(running.conf)
     yield running
     running.stop()
+    shutil.rmtree(base, ignore_errors=True)
     if previous is None:
         os.environ.pop("SLURM_CONF", None)
     else:

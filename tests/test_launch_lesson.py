@@ -1,5 +1,5 @@
-"""scripts/launch_lesson.sh: bad lesson numbers get the list of lessons; the lessons themselves run
-in CI under nbmake, and lesson 2 through this script in its own test."""
+"""scripts/launch_lesson.sh: bad lesson numbers get the list of lessons; every lesson with launches runs
+through it (it also runs in CI under nbmake), and a failing check makes it exit non-zero."""
 
 import subprocess
 from pathlib import Path
@@ -20,12 +20,38 @@ def test_an_unknown_lesson_lists_the_lessons_available(argument):
     assert "0  check setup" in done.stderr
 
 
-def test_lesson_2_runs_from_its_notebook_and_saves_its_plots(tmp_path):
+def launch_lesson(number: int) -> subprocess.CompletedProcess:
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "launch_lesson.sh"), "2"],
+        ["bash", str(ROOT / "scripts" / "launch_lesson.sh"), str(number)],
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+# Per lesson: a check its run must confirm, the exercise as given judged, and how many plots it saves.
+LESSONS = {
+    1: ("\u2713 the averaged gradient is one process's gradient on the whole batch",
+        "never finished: rank 0 in recv", "01_data_vs_model_parallelism", 3),
+    3: ("\u2713 outputs, gradients and running statistics equal one process's BatchNorm",
+        "holds sharded tensors (DTensors)", "03_syncbn_and_sharded_state", 3),
+    4: ("\u2713 the final parameters are bitwise those of the run without a kill, on every rank",
+        "ran twice: before the kill and again after the restart", "04_launching_with_torchrun", 3),
+}
+
+
+@pytest.mark.parametrize("number", sorted(LESSONS))
+def test_a_lesson_runs_from_its_notebook_judges_its_exercise_and_saves_its_plots(tmp_path, number):
+    confirmed, judged, notebook, plot_count = LESSONS[number]
+    done = launch_lesson(number)
+    assert confirmed in done.stdout
+    assert judged in done.stdout
+    plots = sorted((tmp_path / "runs" / notebook / "plots").glob("*.png"))
+    assert len(plots) >= plot_count, plots
+
+
+def test_lesson_2_runs_from_its_notebook_and_saves_its_plots(tmp_path):
+    done = launch_lesson(2)
     from ddp_helpers.config import detect_hardware
 
     gpus = detect_hardware().gpu_count
@@ -36,18 +62,6 @@ def test_lesson_2_runs_from_its_notebook_and_saves_its_plots(tmp_path):
     plots = sorted((tmp_path / "runs" / "02_ddp_basics" / "plots").glob("*.png"))
     assert len(plots) >= 6, plots
     assert all(p.stat().st_size > 10_000 for p in plots)
-
-
-def test_lesson_1_runs_from_its_notebook_and_saves_its_plots(tmp_path):
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "launch_lesson.sh"), "1"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "\u2713 the averaged gradient is one process's gradient on the whole batch" in done.stdout
-    assert "never finished: rank 0 in recv" in done.stdout  # the exercise as given, judged
-    plots = sorted((tmp_path / "runs" / "01_data_vs_model_parallelism" / "plots").glob("*.png"))
-    assert len(plots) >= 3, plots
 
 
 def test_a_failing_check_makes_the_lesson_exit_non_zero(tmp_path):
@@ -77,27 +91,3 @@ def test_a_failing_check_makes_the_lesson_exit_non_zero(tmp_path):
     assert "the sum was not 3" in done.stdout + done.stderr
     assert "must not run" not in done.stdout
     assert "code cell 2 of 07_broken.ipynb failed" in done.stderr
-
-
-def test_lesson_3_runs_from_its_notebook_and_saves_its_plots(tmp_path):
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "launch_lesson.sh"), "3"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "\u2713 outputs, gradients and running statistics equal one process's BatchNorm" in done.stdout
-    assert "holds sharded tensors (DTensors)" in done.stdout  # the exercise as given, judged
-    plots = sorted((tmp_path / "runs" / "03_syncbn_and_sharded_state" / "plots").glob("*.png"))
-    assert len(plots) >= 3, plots
-
-
-def test_lesson_4_runs_from_its_notebook_and_saves_its_plots(tmp_path):
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "launch_lesson.sh"), "4"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "\u2713 the final parameters are bitwise those of the run without a kill, on every rank" in done.stdout
-    assert "ran twice: before the kill and again after the restart" in done.stdout  # the exercise as given, judged
-    plots = sorted((tmp_path / "runs" / "04_launching_with_torchrun" / "plots").glob("*.png"))
-    assert len(plots) >= 3, plots

@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 
+from .output import TextInFile
 from .processes import ARM_PARENT_DEATH_FAILED, arm_parent_death_signal
 from .run_folder import AGENT_ENV, AGENT_GPUS_ENV, AGENT_PID_ENV, RunFolder
 
@@ -141,18 +142,13 @@ class JoinWhenSeen:
     """Elastic membership: calls `join` once rank 0's output contains `text` (checked every 0.1 s)."""
 
     def __init__(self, folder: RunFolder, text: str, join):
-        self._path, self._text, self._join = folder.rank_file(0, "stdout"), text.encode(), join
+        self._printed, self._text, self._join = TextInFile(folder.rank_file(0, "stdout"), text), text, join
         threading.Thread(target=self._watch, name="ddp_helpers-join", daemon=True).start()
 
     def _watch(self) -> None:
-        while True:
-            try:
-                if self._text in self._path.read_bytes():
-                    break
-            except OSError:
-                pass
+        while not self._printed.seen():
             time.sleep(0.1)
-        print(f"[ddp_helpers] rank 0 printed {self._text.decode()!r}: the other agents start and join", flush=True)
+        print(f"[ddp_helpers] rank 0 printed {self._text!r}: the other agents start and join", flush=True)
         self._join()
 
 

@@ -40,6 +40,13 @@ RESERVED_ENV = (
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+def inherited_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (default: this process's environment) without the variables a launcher or torchrun sets: a
+    kernel started under torchrun would otherwise pass its own RANK, MASTER_PORT, ... to the ranks."""
+    return {key: value for key, value in (os.environ if base is None else base).items()
+            if key not in RESERVED_ENV and not key.startswith(RESERVED_ENV_PREFIXES)}
+
+
 def runs_root() -> Path:
     """Where generated scripts and run folders go: $DDP_HELPERS_RUNS if set, else `runs/` in the project
     (or in the current folder when ddp_helpers is installed elsewhere)."""

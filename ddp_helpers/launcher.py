@@ -39,8 +39,8 @@ import time
 import uuid
 from pathlib import Path
 
-from .config import RESERVED_ENV, RESERVED_ENV_PREFIXES, LaunchConfig
-from .output import RankOutputStreamer
+from .config import LaunchConfig, inherited_environment
+from .output import RankOutputStreamer, TextInFile
 from .processes import kill_marked, kill_process_groups, process_is_dead, stop_process_group
 from .readback import collect_result
 from .result import RunResult
@@ -65,11 +65,7 @@ STACK_DUMP_WAIT_S = 5.0
 def child_environment(config: LaunchConfig, run_id: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment the supervisor and the ranks get: the caller's, minus any distributed settings it
     inherited, plus `config.extra_env`, plus the run's markers and loopback-only sockets."""
-    env = {
-        key: value
-        for key, value in (os.environ if base is None else base).items()
-        if key not in RESERVED_ENV and not key.startswith(RESERVED_ENV_PREFIXES)
-    }
+    env = inherited_environment(base)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets 1 thread per rank anyway (and warns)
     env["MPLBACKEND"] = "Agg"  # ranks have no display; the kernel's inline backend would drag IPython in
     if config.max_restarts or config.nnodes > 1:
@@ -208,10 +204,11 @@ class RankKiller:
 
     def __init__(self, config: LaunchConfig, folder: RunFolder):
         self._rank, self._text, self._folder = config.kill_rank, config.kill_after, folder
+        self._printed = TextInFile(folder.rank_file(config.kill_rank, "stdout"), config.kill_after)
         self.done = False
 
     def poll(self) -> None:
-        if self.done or self._text not in self._folder.read_text(self._folder.rank_file(self._rank, "stdout")):
+        if self.done or not self._printed.seen():
             return
         identity = self._folder.rank_identity(self._rank)
         if identity.get("restart", 0) == 0 and identity.get("pid"):

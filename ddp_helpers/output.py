@@ -35,6 +35,29 @@ def _redraws(line: bytes) -> list[bytes]:
     return [part for part in line.split(b"\r") if part.strip()]
 
 
+class TextInFile:
+    """Whether `text` has appeared in a growing file (a rank's output), reading only what was added since
+    the last look."""
+
+    def __init__(self, path, text: str):
+        self._path, self._text = path, text.encode()
+        self._offset, self._tail = 0, b""
+
+    def seen(self) -> bool:
+        try:
+            with open(self._path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except OSError:
+            return False
+        self._offset += len(chunk)
+        window = self._tail + chunk
+        if self._text in window:
+            return True
+        self._tail = window[len(window) - len(self._text) + 1:]  # the text may straddle two reads
+        return False
+
+
 class RankOutputStreamer:
     """Follows every rank's stdout/stderr file and prints complete new lines with a rank prefix.
 

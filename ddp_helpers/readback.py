@@ -69,11 +69,11 @@ def collect_result(
     failures = {int(rank): seen for rank, seen in (outcome.get("failures") or {}).items()}
     died_at = {int(rank): t for rank, t in (outcome.get("died_at") or {}).items()}
     ranks = []
+    identities = [folder.rank_identity(rank) for rank in range(config.world_size)]
     world_size = config.world_size
     if config.join_after:  # elastic: the world as large as it grew (agents that never joined left no rank)
-        world_size = max([folder.rank_identity(r).get("world_size", 0) for r in range(world_size)] + [config.nproc])
-    for rank in range(world_size):
-        identity = folder.rank_identity(rank)
+        world_size = max([identity.get("world_size", 0) for identity in identities] + [config.nproc])
+    for rank, identity in enumerate(identities[:world_size]):
         error = folder.read_own_json(folder.rank_file(rank, "error.json"))
         seen = failures.get(rank)
         if finished:
@@ -82,8 +82,8 @@ def collect_result(
             exit_code = seen.get("exit_code")
         elif "failures" in outcome:
             exit_code = 0  # the agent listed every rank that failed; this one was not among them
-        elif not outcome and folder.read_own_json(folder.rank_file(rank, "exit.json")):
-            exit_code = folder.read_own_json(folder.rank_file(rank, "exit.json"))["exit_code"]
+        elif not outcome:  # no agent to ask (a Slurm job): how the rank said it ended, if it could
+            exit_code = (folder.read_own_json(folder.rank_file(rank, "exit.json")) or {}).get("exit_code")
         else:
             exit_code = None
         facts, unreadable = read_facts(folder, rank)

@@ -34,7 +34,7 @@ import uuid
 from pathlib import Path
 
 from .config import (
-    BACKENDS, DEFAULT_CPU_NPROC, MAX_SLURM_NODES, LaunchConfig, SlurmJob, default_run_dir, parse_nproc,
+    DEFAULT_CPU_NPROC, MAX_SLURM_NODES, LaunchConfig, SlurmJob, default_run_dir, parse_nproc,
 )
 from .errors import LaunchError
 from .output import RankOutputStreamer
@@ -75,9 +75,7 @@ def slurm_launch_config(script: Path, slurm: SlurmJob, *, nproc, backend, timeou
                                                      for arg in slurm.sbatch_args):
         raise LaunchError(f"sbatch_args must be sbatch options, each as one string, got {slurm.sbatch_args!r}. "
                           "Example: ('--account=ml', '--mem=8G')")
-    backend = backend or ("nccl" if gpus else "gloo")
-    if backend not in BACKENDS:
-        raise LaunchError(f"Unknown backend {backend!r}: use 'nccl' (one GPU per rank) or 'gloo' (CPU processes).")
+    backend = backend or ("nccl" if gpus else "gloo")  # a named backend was checked by make_launch_config
     if backend == "nccl" and not gpus:
         raise LaunchError("backend 'nccl' on Slurm needs GPUs: give gpus_per_node (magic: --gpus-per-node).")
     nproc = parse_nproc(nproc if nproc is not None else (gpus if backend == "nccl" else DEFAULT_CPU_NPROC))

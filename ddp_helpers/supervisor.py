@@ -149,14 +149,18 @@ class DeathWatcher:
     def look(self) -> None:
         now = time.time()
         for rank in range(self._nproc):
-            pid = self._folder.rank_pid(rank)
+            known = self._pids.get(rank)
+            if known is not None and not process_is_dead(known):
+                continue  # running: nothing to read
+            pid = self._folder.rank_pid(rank)  # not started yet, or ended: a new attempt may have started
             if pid is None:
                 continue
-            if pid != self._pids.get(rank):  # a new attempt (after a restart): its death is what counts
+            if pid != known:  # a new attempt (after a restart): its death is what counts
                 self._pids[rank] = pid
                 self.died_at.pop(rank, None)
-            if rank not in self.died_at and process_is_dead(pid):
-                self.died_at[rank] = now
+                if not process_is_dead(pid):
+                    continue
+            self.died_at.setdefault(rank, now)
 
     def stop(self) -> None:
         self._stop.set()

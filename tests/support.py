@@ -79,3 +79,26 @@ def hold_port(port: int) -> socket.socket:
     sock.bind(("0.0.0.0", port))
     sock.listen()
     return sock
+
+
+# Pasted into rank scripts: leaves a daemon behind, the classic way (fork, new session, fork again: a new
+# parent and a new session, so only the final sweep can find it), and returns once its pid is written to
+# daemon<RANK>.pid in the working directory.
+DAEMON_SOURCE = textwrap.dedent(
+    '''
+    import os as _os
+    import time as _time
+
+    _daemon_file = f"daemon{_os.environ['RANK']}.pid"
+    if _os.fork() == 0:
+        _os.setsid()
+        if _os.fork() == 0:
+            with open(_daemon_file + ".tmp", "w") as _f:
+                _f.write(str(_os.getpid()))
+            _os.replace(_daemon_file + ".tmp", _daemon_file)  # whole or absent, never half-written
+            _time.sleep(300)
+        _os._exit(0)
+    while not _os.path.exists(_daemon_file):
+        _time.sleep(0.02)
+    '''
+)

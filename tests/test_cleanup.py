@@ -20,7 +20,7 @@ import pytest
 
 from ddp_helpers.launcher import STOP_BOUND_S
 from ddp_helpers.processes import process_is_dead
-from support import listening_ports, processes_left
+from support import DAEMON_SOURCE, listening_ports, processes_left
 
 LAUNCHING_PROCESS = textwrap.dedent(
     """
@@ -53,16 +53,10 @@ STUBBORN_WORKER = textwrap.dedent(
     sleeper = subprocess.Popen(["sleep", "300"])
     forked = multiprocessing.get_context("fork").Process(target=time.sleep, args=(300,))
     forked.start()
-    if os.fork() == 0:  # a daemon: a new session, a new parent; only the final sweep can find it
-        os.setsid()
-        if os.fork() == 0:
-            with open(f"daemon{os.environ['RANK']}.pid", "w") as f:
-                f.write(str(os.getpid()))
-            time.sleep(300)
-        os._exit(0)
+    """
+) + DAEMON_SOURCE + textwrap.dedent(
+    """
     daemon_file = f"daemon{os.environ['RANK']}.pid"
-    while not (os.path.exists(daemon_file) and open(daemon_file).read()):
-        time.sleep(0.05)
     dist.barrier()
     record("children", [sleeper.pid, forked.pid, int(open(daemon_file).read())])
     record("rank_and_parent", [os.getpid(), os.getppid()])

@@ -47,3 +47,16 @@ def test_capped_output_keeps_the_first_and_last_bytes_and_says_how_much_was_drop
     assert text.endswith("line 98\nline 99\n")
     dropped = 800 - len("line 00\nline 01\nline") - len("line 98\nline 99\n")
     assert f"{dropped:,} bytes of output dropped here" in text
+
+
+def test_text_in_a_growing_file_is_found_also_across_two_reads(tmp_path):
+    from ddp_helpers.output import TextInFile
+
+    path = tmp_path / "rank0.stdout"
+    watch = TextInFile(path, "step 5 done")
+    assert not watch.seen()  # no file yet
+    path.write_text("step 4 done\nstep 5 d")
+    assert not watch.seen()
+    with open(path, "a") as f:
+        f.write("one\n")
+    assert watch.seen()

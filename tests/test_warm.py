@@ -9,7 +9,7 @@ import pytest
 
 from ddp_helpers import warm
 from ddp_helpers.launcher import prepare_warm_launches
-from support import failure_report, run_on_cpu
+from support import DAEMON_SOURCE, failure_report, run_on_cpu
 
 PROBE = textwrap.dedent(
     """
@@ -174,17 +174,9 @@ def test_torchrun_restarts_the_ranks_after_a_failure(write_script, cold):
     assert all((parent == warm._ZYGOTE.process.pid) != cold for parent in run.facts("parent"))
 
 
-DAEMON = """
-import os, time
+DAEMON = DAEMON_SOURCE + """
+import os
 from ddp_helpers import record
-if os.fork() == 0:          # a daemon, the classic way: fork, new session, fork again
-    os.setsid()
-    if os.fork() == 0:
-        with open(f"daemon{os.environ['RANK']}.pid", "w") as f:
-            f.write(str(os.getpid()))
-        time.sleep(300)
-    os._exit(0)
-time.sleep(0.5)  # the daemon has written its pid
 record("rank", int(os.environ["RANK"]))
 """
 

@@ -168,19 +168,6 @@ def _pickles_dtensors(path: Path) -> bool:
         return False
 
 
-def _all_tensors(value):
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _all_tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _all_tensors(item)
-
-
 def _find(value, wanted):
     """The first dict in `value` (depth first) for which wanted(dict) holds, or None."""
     if isinstance(value, dict):

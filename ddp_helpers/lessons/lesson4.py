@@ -113,12 +113,11 @@ def run_torchrun_commands(commands: list[list[str]], start_gap_s: float = 0.0,
     import time
     import uuid
 
-    from ..config import RESERVED_ENV, RESERVED_ENV_PREFIXES
+    from ..config import inherited_environment
     from ..processes import kill_marked
 
     marker = uuid.uuid4().hex
-    env = {key: value for key, value in os.environ.items()
-           if key not in RESERVED_ENV and not key.startswith(RESERVED_ENV_PREFIXES)}
+    env = inherited_environment()
     env.update({"DDP_LESSONS_TORCHRUN_COMMAND": marker,  # found by the sweep below, in every process started
                 "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"})
     processes = []

@@ -34,6 +34,7 @@ import time
 import traceback
 import types
 
+from . import _point_to_point
 from .processes import die_with_parent
 from .run_folder import AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, RunFolder
 
@@ -116,25 +117,55 @@ class WriteObserver:
         self.paths.add(full)
 
 
-class _ReportTorchSaveToPaths:
-    """torch.save(obj, "path") writes through C++, which raises no audit event: once the script imports
-    torch, wrap torch.save so that saving to a path raises the "open" event a Python write would."""
+class _PatchOnImport:
+    """Patches applied to torch modules as the script imports them (a cold rank), or at once where the
+    warm process imported them already:
+    - torch.save(obj, "path") writes through C++, which raises no audit event: it is wrapped so that
+      saving to a path raises the "open" event a Python write would;
+    - torch.distributed's send/recv/isend/irecv are logged (`_point_to_point`)."""
+
+    def __init__(self, patches: dict):
+        self.patches = dict(patches)
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "torch.serialization":
+        patch = self.patches.pop(fullname, None)
+        if patch is None:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
+        sys.meta_path.remove(self)  # find the real spec without finding ourselves again
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            if self.patches:  # others still to come
+                sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None:
             return spec
         execute = spec.loader.exec_module
 
-        def exec_then_wrap(module):
+        def exec_then_patch(module):
             execute(module)
-            module.save = _reporting_save(module.save)
+            patch(module)
 
-        spec.loader.exec_module = exec_then_wrap
+        spec.loader.exec_module = exec_then_patch
         return spec
+
+    @classmethod
+    def install(cls, patches: dict) -> None:
+        pending = {}
+        for name, patch in patches.items():
+            module = sys.modules.get(name)
+            if module is None:
+                pending[name] = patch
+            else:
+                patch(module)
+        if pending:
+            sys.meta_path.insert(0, cls(pending))
+
+
+def _wrap_torch_save(serialization) -> None:
+    serialization.save = _reporting_save(serialization.save)
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "save"):
+        torch.save = serialization.save
 
 
 def _reporting_save(save):
@@ -210,11 +241,8 @@ def main() -> None:
     observer = WriteObserver(folder) if folder is not None else None
     if observer is not None:
         sys.addaudithook(observer)
-        serialization = sys.modules.get("torch.serialization")
-        if serialization is None:
-            sys.meta_path.insert(0, _ReportTorchSaveToPaths())
-        else:  # a warm rank: torch is imported already
-            serialization.save = sys.modules["torch"].save = _reporting_save(serialization.save)
+        _PatchOnImport.install({"torch.serialization": _wrap_torch_save,
+                                "torch.distributed.distributed_c10d": _point_to_point.observe})
     sys.path.insert(0, os.path.dirname(script))
 
     exit_code = 0
@@ -239,6 +267,7 @@ def main() -> None:
     finally:
         if observer is not None:
             folder.write_json(folder.rank_file(rank, "writes.json"), {"rank": rank, "files": sorted(observer.paths)})
+            folder.write_json(folder.rank_file(rank, "p2p.json"), {"rank": rank, "calls": _point_to_point.summary()})
             # How it ended, for launches without a supervisor to ask the agent (Slurm jobs).
             folder.write_json(folder.rank_file(rank, "exit.json"), {"rank": rank, "exit_code": exit_code})
         if exit_code == 0:

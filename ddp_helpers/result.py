@@ -46,6 +46,9 @@ class RankResult:
         root_cause: this rank failed first; the others were stopped because of it.
         files_written: absolute paths of the files the rank's script opened for writing or renamed into
             place (seen by the launcher, not reported by the script); empty if the rank did not end normally.
+        point_to_point: the `send`/`recv`/`isend`/`irecv` calls its script made, in order, as the launcher
+            saw them: {"op", "peer", "shape", "dtype", "values" (small tensors only)}; empty if the rank
+            did not end normally.
         agent: which of the run's torchrun agents started it (0 .. nnodes - 1; None if it never started).
         group_rank, local_rank: its agent's place in the rendezvous (GROUP_RANK), and its LOCAL_RANK there.
         restart: the restart count (TORCHELASTIC_RESTART_COUNT) of its latest attempt: 0 if never restarted.
@@ -63,6 +66,7 @@ class RankResult:
     unreadable_facts: dict = field(default_factory=dict)
     root_cause: bool = False
     files_written: tuple[str, ...] = ()
+    point_to_point: tuple[dict, ...] = ()
     agent: int | None = None
     group_rank: int | None = None
     local_rank: int | None = None

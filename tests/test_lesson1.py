@@ -1,6 +1,7 @@
 """Lesson 1's exercise: the checker names the deadlock of the script as given, passes the solution
-shown (hidden) in the notebook, and refuses a fix that runs but leaves stage 0 without gradients.
-The scripts are taken from the notebook itself."""
+shown (hidden) in the notebook, and refuses fixes that run but skip what the exercise is about: the
+gradient never sent back, the activation never sent (each rank computing the whole model itself), the
+wrong tensor sent. The scripts are taken from the notebook itself."""
 
 import re
 from pathlib import Path
@@ -48,6 +49,35 @@ def test_a_fix_that_runs_but_never_sends_the_gradient_back_fails(write_script, s
     assert run.ok, failure_report(run)
     text = str(check_pipeline_exercise(run))
     assert "no gradient reached stage0" in text, text
+
+
+SHORTCUTS = {
+    # Both ranks run the whole model on their own, no communication at all: the numbers are right.
+    "no communication, every rank computes the whole model": (
+        lambda solution: solution.replace(
+            solution[solution.index("if rank == 0:\n    activation"):solution.index('record("grads"')],
+            "activation = full[:4](inputs.to(device))\n"
+            "loss = torch.nn.functional.cross_entropy(full[4:](activation), targets.to(device))\n"
+            "loss.backward()\n"
+            "if rank == 1:\n    record(\"loss\", loss.item())\n"),
+        "the activation never crossed from rank 0 to rank 1"),
+    # The activation goes over, but rank 1 works on its own copy, computed from the inputs.
+    "the input sent instead of the activation": (
+        lambda solution: solution.replace("dist.send(activation.detach(), dst=1)",
+                                          "dist.send(torch.zeros(8, 32, device=device), dst=1)"),
+        "what rank 0 sent to rank 1 is not stage 0's output"),
+}
+
+
+@pytest.mark.parametrize("shortcut", list(SHORTCUTS))
+def test_a_shortcut_that_skips_the_pipeline_fails(write_script, sources, shortcut):
+    make, named = SHORTCUTS[shortcut]
+    wrong = make(sources[1])
+    assert wrong != sources[1]
+    run = run_on_cpu(write_script("exercise", wrong), stream=False)
+    assert run.ok, failure_report(run)
+    report = check_pipeline_exercise(run)
+    assert not report.passed and named in str(report), str(report)
 
 
 def test_idle_fraction_and_formula():

@@ -2,8 +2,10 @@
 
 The exercise is a two-stage pipeline that deadlocks: rank 0 waits for a gradient before it has sent
 the activation the gradient would come from, so both ranks sit in `recv`. The checker judges what
-the run did: it finished; stage 1 computed the loss; both stages got gradients; and loss and
-gradients equal the unsplit model's on the same batch (computed here from what the ranks recorded).
+the run did against the exercise's model, batch and seeds, computed here (not from what the ranks
+recorded): it finished; the activation went from rank 0 to rank 1 and its gradient came back (every
+send and recv is seen by the launcher, values included); and loss and gradients equal the unsplit
+model's.
 """
 
 from __future__ import annotations
@@ -38,11 +40,53 @@ def unsplit_model(hidden: int = 64):
                                torch.nn.Linear(hidden, 2))
 
 
-def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
-    """Name what is wrong with the learner's two-stage pipeline run, or confirm it."""
+def exercise_reference():
+    """The exercise's pipeline computed here, in one process, from the exercise's own model, batch and
+    seeds (not from anything the run recorded): {"activation", "activation_grad", "loss", "grads"}, the
+    grads keyed "stage0.<name>" / "stage1.<name>" as the stages name their parameters."""
     import torch
 
-    report = ExerciseReport(verdict_when_passed="All checks pass: the pipeline computes exactly what the unsplit model does.")
+    model = unsplit_model(64)
+    generator = torch.Generator().manual_seed(0)
+    inputs, targets = torch.randn(8, 16, generator=generator), torch.randint(0, 2, (8,), generator=generator)
+    activation = model[:4](inputs)
+    activation.retain_grad()
+    loss = torch.nn.functional.cross_entropy(model[4:](activation), targets)
+    loss.backward()
+    grads = {**{f"stage0.{n}": p.grad for n, p in model[:4].named_parameters()},
+             **{f"stage1.{n}": p.grad for n, p in model[4:].named_parameters()}}
+    return {"activation": activation.detach(), "activation_grad": activation.grad, "loss": loss.item(), "grads": grads}
+
+
+def _messages(run: RunResult, sender: int, receiver: int, shape: list[int]) -> tuple[list[dict], list[dict]]:
+    """(what `sender` sent to `receiver`, what `receiver` received from `sender`) of the given shape, as the
+    launcher saw the ranks' send/recv calls."""
+    sent = [m for m in run.ranks[sender].point_to_point
+            if m["op"].endswith("send") and m["peer"] == receiver and m["shape"] == shape]
+    received = [m for m in run.ranks[receiver].point_to_point
+                if m["op"].endswith("recv") and m["peer"] in (sender, None) and m["shape"] == shape]
+    return sent, received
+
+
+def _carried(messages: list[dict], expected) -> bool:
+    import torch
+
+    return any("values" in m and torch.allclose(torch.tensor(m["values"], dtype=torch.float64),
+                                                expected.double().flatten(), atol=1e-5, rtol=1e-4)
+               for m in messages)
+
+
+def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
+    """Name what is wrong with the learner's two-stage pipeline run, or confirm it.
+
+    Judged against the exercise's own model, batch and seeds, computed here: the activation must have
+    travelled from rank 0 to rank 1 and its gradient back (the launcher saw every send and recv), and the
+    loss and both stages' gradients must equal the unsplit model's."""
+    import torch
+
+    report = ExerciseReport(verdict_when_passed="All checks pass: the activation crossed from stage 0 to stage 1, its "
+                                                "gradient came back, and the pipeline computes exactly what the "
+                                                "unsplit model does.")
     if run.timed_out:
         where = []
         for r in run.ranks:
@@ -57,26 +101,44 @@ def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
     if not run.ok:
         report.mistakes.append("the run failed; fix the error shown above first")
         return report
-    facts = [r.facts for r in run.ranks]
-    if len(facts) != 2 or "loss" not in facts[1] or "batch" not in facts[0]:
-        report.mistakes.append("keep the record(...) lines: rank 1 records the loss, rank 0 the batch")
+    if len(run.ranks) != 2:
+        report.mistakes.append(f"the pipeline has two stages: run it on 2 ranks (-n 2), not {len(run.ranks)}")
         return report
-    model = unsplit_model()
-    model.load_state_dict(facts[0]["start_weights"])
-    inputs, targets = facts[0]["batch"]
-    loss = torch.nn.functional.cross_entropy(model(inputs), targets)
-    loss.backward()
-    if abs(facts[1]["loss"] - loss.item()) > 1e-5:
-        report.mistakes.append(f"stage 1's loss {facts[1]['loss']:.6f} is not the unsplit model's {loss.item():.6f}: "
-                               "the activation stage 1 worked on is not stage 0's")
+    reference = exercise_reference()
+    shape = list(reference["activation"].shape)
+    sent, received = _messages(run, 0, 1, shape)
+    if not sent or not received:
+        report.mistakes.append(
+            "the activation never crossed from rank 0 to rank 1 (no send of an 8 x 32 tensor from rank 0 that "
+            "rank 1 received): stage 1 must work on what stage 0 computed, sent over the process group")
+    elif not _carried(sent, reference["activation"]) or not _carried(received, reference["activation"]):
+        report.mistakes.append("what rank 0 sent to rank 1 is not stage 0's output on the exercise's batch")
+    else:
+        report.confirmed.append("the activation went from rank 0 to rank 1 (seen by the launcher: send and recv)")
+    sent_back, received_back = _messages(run, 1, 0, shape)
+    if not sent_back or not received_back:
+        report.mistakes.append("no gradient reached stage0 from rank 1: nothing of the activation's shape came back, "
+                               "so stage 0's layers would learn nothing from the loss")
+    elif not _carried(sent_back, reference["activation_grad"]) or not _carried(received_back, reference["activation_grad"]):
+        report.mistakes.append("what came back from rank 1 to rank 0 is not the gradient of the loss with respect to "
+                               "the activation")
+    else:
+        report.confirmed.append("the activation's gradient came back from rank 1 to rank 0")
+    facts = [r.facts for r in run.ranks]
+    if "loss" not in facts[1] or "grads" not in facts[0] or "grads" not in facts[1]:
+        report.mistakes.append("keep the record(...) lines: rank 1 records the loss, both ranks their gradients")
+        return report
+    if abs(facts[1]["loss"] - reference["loss"]) > 1e-5:
+        report.mistakes.append(f"stage 1's loss {facts[1]['loss']:.6f} is not the unsplit model's "
+                               f"{reference['loss']:.6f} on the exercise's batch")
     else:
         report.confirmed.append("the loss equals the unsplit model's")
-    expected = {**{f"stage0.{n}": p.grad for n, p in model[:4].named_parameters()},
-                **{f"stage1.{n}": p.grad for n, p in model[4:].named_parameters()}}
+    expected = reference["grads"]
     got = {f"stage{r}.{n}": g for r in (0, 1) for n, g in (facts[r].get("grads") or {}).items()}
     missing = sorted(name for name in expected if got.get(name) is None)
     wrong = sorted(name for name in expected if got.get(name) is not None
-                   and not torch.allclose(got[name].cpu(), expected[name], atol=1e-5, rtol=1e-4))
+                   and (got[name].shape != expected[name].shape
+                        or not torch.allclose(got[name].cpu(), expected[name], atol=1e-5, rtol=1e-4)))
     if missing:
         report.mistakes.append(f"no gradient reached {missing[0].split('.')[0]} ({len(missing)} tensors): "
                                "its layers would never learn")

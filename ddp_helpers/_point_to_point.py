@@ -1,0 +1,75 @@
+"""Rank side: the point-to-point messages a rank's script sends and receives, seen by the launcher.
+
+The bootstrap wraps `torch.distributed`'s `send`, `recv`, `isend` and `irecv` in every rank, so that a
+checker can see which tensors really crossed between ranks (lesson 1's pipeline exercise: the
+activation went from stage 0 to stage 1, its gradient came back) instead of trusting what the script
+records about itself. Each call is logged with its peer, shape and dtype; a small tensor's values are
+kept too (a sent tensor's at the call, a received one's once `recv` returns; `irecv` completes later,
+so only its shape is known). Collectives are not logged here (`ddp_helpers.comm` counts those).
+"""
+
+from __future__ import annotations
+
+import functools
+
+MAX_CALLS = 1000  # a long pipeline run keeps its first calls only
+MAX_VALUES = 4096  # elements: larger tensors are logged without their values
+
+calls: list[dict] = []
+_depth = 0
+
+
+def _entry(op: str, tensor, peer, with_values: bool) -> dict:
+    entry = {"op": op, "peer": peer, "shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", "")}
+    if with_values and tensor.numel() <= MAX_VALUES:
+        entry["values"] = tensor.detach().cpu().double().flatten().tolist()
+    return entry
+
+
+def _peer(args, kwargs, name: str):
+    value = kwargs.get(name, args[1] if len(args) > 1 else None)
+    return value if value is not None else kwargs.get("group_" + name)
+
+
+def _logged(op: str, function, values_after: bool):
+    @functools.wraps(function)
+    def logged(tensor, *args, **kwargs):
+        global _depth
+        if _depth:  # torch's send is built on its isend (recv on irecv): log the call the script made
+            return function(tensor, *args, **kwargs)
+        peer = _peer((tensor, *args), kwargs, "dst" if "send" in op else "src")
+        if len(calls) < MAX_CALLS and not values_after:
+            calls.append(_entry(op, tensor, peer, with_values=op.endswith("send")))
+        _depth += 1
+        try:
+            result = function(tensor, *args, **kwargs)
+        finally:
+            _depth -= 1
+        if len(calls) < MAX_CALLS and values_after:
+            calls.append(_entry(op, tensor, peer if peer is not None else result, with_values=True))
+        return result
+
+    logged.__ddp_helpers_logged__ = True
+    return logged
+
+
+def observe(c10d_module) -> None:
+    """Wrap the point-to-point functions of `torch.distributed.distributed_c10d` (before `torch.distributed`
+    re-exports them, or after, in a warm rank: then its names are rebound too)."""
+    import sys
+
+    wrapped = {}
+    for op, values_after in (("send", False), ("recv", True), ("isend", False), ("irecv", False)):
+        function = getattr(c10d_module, op, None)
+        if function is None or getattr(function, "__ddp_helpers_logged__", False):
+            continue
+        wrapped[op] = _logged(op, function, values_after)
+        setattr(c10d_module, op, wrapped[op])
+    package = sys.modules.get("torch.distributed")
+    if package is not None:
+        for op, function in wrapped.items():
+            setattr(package, op, function)
+
+
+def summary() -> list[dict]:
+    return list(calls)

@@ -1,7 +1,8 @@
 """Lesson 4's exercise: run as the notebook runs it (rank 1 killed after step 5, one restart), the
 checker names both mistakes of the script as given, passes the solution shown (hidden) in the notebook,
 and refuses wrong fixes for what the ranks did (the steps each attempt printed, the final snapshot
-against a run without a kill), not for what the script says."""
+against the checker's own copy of the exercise run without a kill), not for what the script says: shortcuts
+that change the training itself (reseeding, no dropout, one seed for all) fail too."""
 
 import re
 from pathlib import Path
@@ -9,6 +10,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from ddp_helpers import run_script
+from ddp_helpers.config import detect_hardware
 from ddp_helpers.lessons.lesson4 import check_resume_exercise
 from support import failure_report, run_on_cpu
 
@@ -33,27 +36,41 @@ def exercise_sources() -> tuple[str, str]:
 GIVEN, SOLUTION = exercise_sources()
 WRONG_FIXES = {
     "the step only": (GIVEN.replace('first_step = snapshot["step"]', 'first_step = snapshot["step"] + 1'),
-                      "ended with other weights than without a kill"),
+                      "ended with other weights than the exercise's training without a kill"),
     "the random state only": (SOLUTION.replace('first_step = snapshot["step"] + 1', 'first_step = snapshot["step"]'),
                               "step(s) [5] ran twice"),
     "rank 0's random state on every rank": (SOLUTION.replace('snapshot["random"][rank]', 'snapshot["random"][0]'),
-                                            "ended with other weights than without a kill"),
+                                            "ended with other weights than the exercise's training without a kill"),
     "no resume at all": (GIVEN.replace('if os.path.exists("snapshot.pt"):', "if False:"),
                          "step(s) [0, 1, 2, 3, 4, 5] ran twice"),
     "the progress line removed": (SOLUTION.replace('print(f"step {step} done")', "pass"), "no rank was killed"),
+    # Shortcuts that make the learner's own kill and no-kill runs agree by changing the training itself.
+    "reseeding every step": (GIVEN.replace('first_step = snapshot["step"]', 'first_step = snapshot["step"] + 1').replace(
+        "        loss = torch.nn.functional.mse_loss(", "        torch.manual_seed(100 + rank + step)\n"
+                                                    "        loss = torch.nn.functional.mse_loss("),
+        "ended with other weights than the exercise's training without a kill"),
+    "dropout removed": (GIVEN.replace('first_step = snapshot["step"]', 'first_step = snapshot["step"] + 1').replace(
+        "torch.nn.Dropout(0.3)", "torch.nn.Dropout(0.0)"),
+        "ended with other weights than the exercise's training without a kill"),
+    "one seed for every rank": (SOLUTION.replace("torch.manual_seed(100 + rank)", "torch.manual_seed(100)"),
+                                "ended with other weights than the exercise's training without a kill"),
+    "momentum reset on resume": (SOLUTION.replace("    optimizer.load_state_dict(snapshot[\"optimizer\"])\n", ""),
+                                 "ended with other weights"),
 }
 
 
-def run_as_the_notebook_does(write_script, source):
-    return run_on_cpu(write_script("exercise", source), nproc=2, stream=False, max_restarts=1, kill_rank=1,
-                      kill_after="step 5 done", timeout_s=60)
+def run_as_the_notebook_does(write_script, source, on_cpu=True):
+    options = dict(stream=False, max_restarts=1, kill_rank=1, kill_after="step 5 done", timeout_s=60)
+    if on_cpu:
+        return run_on_cpu(write_script("exercise", source), nproc=2, **options)
+    return run_script(write_script("exercise", source), **options)  # the hardware's default: GPUs if 2 or more
 
 
 def test_the_given_script_has_both_mistakes_named_without_the_fix(write_script):
     run = run_as_the_notebook_does(write_script, GIVEN)
     assert run.ok and run.restarts == 1, failure_report(run)
     text = str(check_resume_exercise(run))
-    assert "step(s) [5] ran twice" in text and "ended with other weights than without a kill" in text, text
+    assert "step(s) [5] ran twice" in text and "ended with other weights than the exercise's training without a kill" in text, text
     assert "2 mistake(s) to fix" in text
     assert "rng" not in text.lower() and "+ 1" not in text, "hints must not give the fix"
 
@@ -74,3 +91,16 @@ def test_a_wrong_fix_does_not_pass(write_script, wrong_fix):
     report = check_resume_exercise(run)
     assert not report.passed, failure_report(run)
     assert named in str(report), str(report) + "\n" + failure_report(run)
+
+
+def test_restoring_only_the_cpu_random_state_is_judged_by_the_hardware(write_script):
+    # On GPU ranks dropout draws from each GPU's generator: restoring the CPU's alone must fail there. On
+    # CPU ranks the CPU's generator is the only one, and the same fix is right.
+    cpu_only = SOLUTION.replace('torch.cuda.set_rng_state(snapshot["random"][rank]["cuda"], device)', "pass")
+    assert cpu_only != SOLUTION
+    run = run_as_the_notebook_does(write_script, cpu_only, on_cpu=False)
+    assert run.ok, failure_report(run)
+    report = check_resume_exercise(run)
+    on_gpus = run.backend == "nccl"
+    assert on_gpus == (detect_hardware().gpu_count >= 2)
+    assert report.passed != on_gpus, str(report)

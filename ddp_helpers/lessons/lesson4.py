@@ -5,8 +5,11 @@ The exercise is a training script that snapshots after every step and resumes fr
 torchrun restarts it; it is run with rank 1 killed after step 5 and one restart allowed. As given, it
 resumes at the step it had already done, and it does not bring back each rank's random state (its
 dropout masks). The checker trusts nothing the script says about itself: it reads the steps each
-attempt printed (as the launcher saw them), runs the same script again without a kill, and compares
-the final snapshots bitwise.
+attempt printed (as the launcher saw them), runs its own copy of the exercise as given (the same model,
+data and seeds: `lesson4_reference.py`) without a kill at the same world size and backend, and compares
+the final snapshots bitwise: the weights and the optimizer's momentum. So a "fix" that changes the
+model or its randomness (reseeding every step, dropping dropout, one random stream for every rank)
+fails, and so does one that restores only the CPU's random state on GPU ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from ..result import RunResult
 
 _STEP_DONE = re.compile(r"^step (\d+) done", flags=re.M)
 SNAPSHOT_NAME = "snapshot.pt"
+REFERENCE_SCRIPT = Path(__file__).with_name("lesson4_reference.py")
 
 
 def steps_done(text: str) -> list[int]:
@@ -40,14 +44,15 @@ def check_resume_exercise(run: RunResult) -> ExerciseReport:
                                "'step 5 done' (keep that print line)")
         return report
     mine = _final_snapshot(run)  # read before anything else runs
-    reference = run_script(run.config.script, nproc=run.config.nproc, backend=run.backend, stream=False,
-                           timeout_s=run.config.timeout_s, extra_env=dict(run.config.extra_env),
-                           run_dir=run.run_dir.with_name(run.run_dir.name + "-without-kill"))
-    if not reference.ok:
-        report.mistakes.append("the same script, run without a kill, failed: " + reference.summary())
-        return report
+    reference = run_script(REFERENCE_SCRIPT, nproc=run.config.nproc, backend=run.backend, stream=False,
+                           timeout_s=max(run.config.timeout_s, 60),
+                           run_dir=run.run_dir.with_name(run.run_dir.name + "-reference"))
+    reference.raise_for_failure()  # the checker's own script: a failure here is not the learner's
     _judge_steps(run, reference, report)
-    _judge_snapshots(mine, _final_snapshot(reference), report)
+    theirs = _final_snapshot(reference)
+    if theirs is None:
+        raise RuntimeError(f"the exercise's reference run wrote no {SNAPSHOT_NAME} in {reference.run_dir}")
+    _judge_snapshots(mine, theirs, report)
     return report
 
 
@@ -80,25 +85,44 @@ def _final_snapshot(run: RunResult) -> dict | None:
         return None
 
 
-def _judge_snapshots(mine: dict | None, theirs: dict | None, report: ExerciseReport) -> None:
+def _judge_snapshots(mine: dict | None, theirs: dict, report: ExerciseReport) -> None:
     import torch
 
-    if mine is None or theirs is None or "model" not in mine or "model" not in theirs:
+    if mine is None or "model" not in mine:
         report.mistakes.append(f"no readable {SNAPSHOT_NAME} with the model at the end of the run (keep the "
                                "snapshot rank 0 writes)")
         return
     differences = [(name, (mine["model"][name].float() - value.float()).abs().max().item())
                    for name, value in theirs["model"].items()
-                   if name in mine["model"] and not torch.equal(mine["model"][name], value)]
+                   if name in mine["model"] and (mine["model"][name].shape != value.shape
+                                                 or not torch.equal(mine["model"][name].cpu(), value))]
     if set(mine["model"]) != set(theirs["model"]) or differences:
         largest = max((d for _, d in differences), default=float("nan"))
         report.mistakes.append(
-            f"killed and restarted, the training ended with other weights than without a kill (up to "
-            f"{largest:.1e} apart): after the restart the ranks did not go on exactly as they would have. "
-            "Besides the weights and the optimizer, what else decides what a step computes?"
+            f"killed and restarted, the training ended with other weights than the exercise's training without a "
+            f"kill (up to {largest:.1e} apart): after the restart the ranks did not go on exactly as they would "
+            "have. Besides the weights and the optimizer, what else decides what a step computes? (The model, the "
+            "data and the seeds must stay as given.)"
         )
+        return
+    report.confirmed.append("the final weights are bitwise those of the exercise's training without a kill")
+    expected = _momentum(theirs)
+    saved = _momentum(mine)
+    if saved is None:
+        report.mistakes.append("the snapshot's optimizer has no momentum: save optimizer.state_dict() as given")
+    elif len(saved) != len(expected) or not all(a.shape == b.shape and torch.equal(a.cpu(), b)
+                                                for a, b in zip(saved, expected)):
+        report.mistakes.append("the optimizer's momentum at the end differs from the training without a kill")
     else:
-        report.confirmed.append("the final weights are bitwise those of the same training without a kill")
+        report.confirmed.append("and so is the optimizer's momentum")
+
+
+def _momentum(snapshot: dict) -> list | None:
+    state = (snapshot.get("optimizer") or {}).get("state") if isinstance(snapshot.get("optimizer"), dict) else None
+    if not state:
+        return None
+    buffers = [state[key].get("momentum_buffer") for key in sorted(state)]
+    return None if any(b is None for b in buffers) else buffers
 
 
 def run_torchrun_commands(commands: list[list[str]], start_gap_s: float = 0.0,

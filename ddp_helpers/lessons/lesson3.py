@@ -5,14 +5,15 @@ The exercise trains a model sharded with FSDP2 and must save a checkpoint that a
 size can resume from: the model and Adam's state, every rank writing its own shards. The given
 script saves `model.state_dict()` from rank 0, as lesson 2 taught for DDP; under FSDP that file holds
 only rank 0's halves. The checker trusts nothing the script says about itself: it finds what was
-written (files seen by the launcher, on every rank), loads it in this single process, and compares
-it with the same training done here in one process.
+written (files seen by the launcher, on every rank); reads each DCP folder's metadata to see that no
+rank held a whole tensor and each rank wrote its share of the bytes; resumes the checkpoint with the
+lesson's own loader (`lesson3_loader.py`) as jobs of 1 and 4 ranks (3 when it was saved at 4); and
+compares the model, Adam's moments and step with the exercise's training done here in one process.
 """
 
 from __future__ import annotations
 
 import re
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from ..result import RunResult
 
 EXERCISE_STEPS = 5
 EXERCISE_BATCH = 16  # samples per rank per step
+LOADER = Path(__file__).with_name("lesson3_loader.py")
 
 
 def exponential_average(batch_means, momentum: float):
@@ -109,16 +111,130 @@ def check_checkpoint_exercise(run: RunResult) -> ExerciseReport:
     if not folders:
         _judge_plain_files(run, written, report)
         return report
-    for folder in folders:
-        shards = {rank for rank, paths in written.items() for p in paths if p.parent == folder and p.suffix == ".distcp"}
-        missing = sorted(set(range(len(run.ranks))) - shards)
-        if missing:
-            report.mistakes.append(f"ranks {missing} wrote no shard of {folder.name}/: each rank should write its own")
-            return report
-    names = ", ".join(f"{folder.name}/" for folder in folders)
-    report.confirmed.append(f"every rank wrote its own shard of {names} (seen by the launcher), rank 0 the metadata too")
-    _judge_contents(folders, len(run.ranks), report)
+    layouts = _read_layouts(folders, report)
+    if layouts is None:
+        return report
+    if not _judge_sharding(layouts, len(run.ranks), report):
+        return report
+    _judge_resumed(run, layouts, report)
     return report
+
+
+def _read_layouts(folders: list[Path], report: ExerciseReport) -> dict[Path, object] | None:
+    """Each DCP folder's metadata (which piece of which tensor is in which file), or None after a mistake."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    layouts = {}
+    for folder in folders:
+        try:
+            layouts[folder] = FileSystemReader(folder).read_metadata()
+        except Exception as error:  # noqa: BLE001 - a torn or foreign folder is the learner's to fix
+            report.mistakes.append(f"{folder.name}/ could not be read back ({type(error).__name__}: "
+                                   f"{(str(error).splitlines() or [''])[0][:160]})")
+            return None
+    return layouts
+
+
+def _judge_sharding(layouts: dict, world_size: int, report: ExerciseReport) -> bool:
+    """No rank held the whole model: every tensor that can be split is stored in pieces, and each rank's
+    file holds about its share of the tensors' bytes (DCP itself writes a file for every rank, even an
+    empty one, so that alone proves nothing)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for folder, layout in layouts.items():
+        tensors = {key: meta for key, meta in layout.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+        whole = [key for key, meta in tensors.items() if len(meta.size) and meta.size[0] >= world_size
+                 and any(tuple(chunk.sizes) == tuple(meta.size) for chunk in meta.chunks)]
+        if whole:
+            writer = next((info.relative_path for index, info in layout.storage_data.items() if index.fqn == whole[0]), "?")
+            report.mistakes.append(
+                f"{folder.name}/ stores {whole[0]} (and {len(whole) - 1} more) whole, written from {writer}: a rank "
+                "held the whole tensor when it saved. Under FSDP no rank should ever hold the whole model")
+            return False
+        per_file: dict[str, int] = {}
+        for index, info in layout.storage_data.items():
+            if index.fqn in tensors:
+                per_file[info.relative_path] = per_file.get(info.relative_path, 0) + info.length
+        total = sum(per_file.values()) or 1
+        shares = {name: size / total for name, size in sorted(per_file.items())}
+        if len(shares) < world_size or max(shares.values()) > 1 / world_size + 0.5 * (1 - 1 / world_size):
+            report.mistakes.append(
+                f"in {folder.name}/, the tensors' bytes are not spread over the {world_size} ranks' files "
+                f"({', '.join(f'{n}: {s:.0%}' for n, s in shares.items())}): some rank held more than its share")
+            return False
+        report.confirmed.append(
+            f"{folder.name}/: every tensor stored in pieces, each rank's file holding its share of the bytes ("
+            + ", ".join(f"{s:.0%}" for s in shares.values()) + ")")
+    return True
+
+
+def _find_part(layouts: dict, suffixes: tuple[str, ...]) -> tuple[Path, str, str] | None:
+    """(folder, key prefix, which suffix matched) of the first key ending with one of `suffixes`."""
+    for folder, layout in layouts.items():
+        for key in layout.state_dict_metadata:
+            for suffix in suffixes:
+                if key == suffix or key.endswith("." + suffix):
+                    return folder, key[: len(key) - len(suffix)], suffix
+    return None
+
+
+def resume_worlds(saved_world: int) -> tuple[int, int]:
+    """The world sizes the checker resumes at: a single process, and a world other than the saving one."""
+    return (1, 3 if saved_world == 4 else 4)
+
+
+def _judge_resumed(run: RunResult, layouts: dict, report: ExerciseReport) -> None:
+    """Resume the checkpoint at other world sizes with the lesson's own loader, and compare the model and
+    Adam's state with the exercise's training done here in one process."""
+    import torch
+
+    from .. import run_script
+
+    model_part = _find_part(layouts, ("0.weight",))
+    if model_part is None:
+        report.mistakes.append("the checkpoint holds no model state_dict (no parameter such as 0.weight in it)")
+        return
+    optimizer_part = _find_part(layouts, ("state.0.weight.exp_avg", "state.0.exp_avg"))
+    env = {"DDP_LESSONS_MODEL": f"{model_part[0]}|{model_part[1]}"}
+    if optimizer_part is not None:
+        style = "names" if optimizer_part[2].startswith("state.0.weight") else "numbers"
+        env["DDP_LESSONS_OPTIMIZER"] = f"{optimizer_part[0]}|{optimizer_part[1]}|{style}"
+    world_size = len(run.ranks)
+    reference, reference_optimizer = exercise_reference(world_size)
+    for world in resume_worlds(world_size):
+        resumed = run_script(LOADER, nproc=world, backend="gloo", stream=False, timeout_s=60, extra_env=env,
+                             run_dir=run.run_dir.with_name(f"{run.run_dir.name}-resumed-at-{world}"))
+        if not resumed.ok:
+            error = resumed.first_failure.error if resumed.first_failure else None
+            report.mistakes.append(f"a job of {world} rank(s) could not resume from the checkpoint: "
+                                   + (f"{error.type}: {error.message.splitlines()[0][:200]}" if error else resumed.summary()))
+            return
+        facts = resumed.ranks[0].facts
+        wrong = [name for name, p in reference.named_parameters()
+                 if not torch.allclose(facts["parameters"][name], p.detach(), rtol=1e-4, atol=1e-5)]
+        if wrong:
+            report.mistakes.append(
+                f"resumed at world {world}, the parameters ({wrong[0]}, ...) are not the model's after its "
+                f"{EXERCISE_STEPS} training steps: save once training is done")
+            return
+        if optimizer_part is None:
+            report.mistakes.append("the checkpoint has no optimizer state: a resumed job would start Adam's moments "
+                                   "(and its step count) from zero, and train differently")
+            return
+        if facts["step"] != [float(EXERCISE_STEPS)]:
+            report.mistakes.append(f"resumed at world {world}, Adam is at step {facts['step']}, not after the "
+                                   f"{EXERCISE_STEPS} steps taken")
+            return
+        for moment in ("exp_avg", "exp_avg_sq"):
+            off = [name for name, p in reference.named_parameters()
+                   if not torch.allclose(facts[moment][name], reference_optimizer.state[p][moment], rtol=1e-4, atol=1e-6)]
+            if off:
+                report.mistakes.append(f"resumed at world {world}, Adam's {moment} for {off[0]} is not the trained "
+                                       "model's: some ranks' pieces are missing or from another time")
+                return
+        report.confirmed.append(
+            f"resumed by a job of {world} rank(s) (saved at world {world_size}): the trained model, and Adam's "
+            f"moments at step {EXERCISE_STEPS}, {resumed.ranks[0].facts['shard_bytes']:,} parameter bytes per rank")
 
 
 def _last_line(stderr: str) -> str | None:
@@ -166,77 +282,3 @@ def _pickles_dtensors(path: Path) -> bool:
             return any(b"DTensor" in archive.read(name) for name in archive.namelist() if name.endswith(".pkl"))
     except (OSError, zipfile.BadZipFile):
         return False
-
-
-def _find(value, wanted):
-    """The first dict in `value` (depth first) for which wanted(dict) holds, or None."""
-    if isinstance(value, dict):
-        if wanted(value):
-            return value
-        for item in value.values():
-            found = _find(item, wanted)
-            if found is not None:
-                return found
-    return None
-
-
-def _judge_contents(folders: list[Path], world_size: int, report: ExerciseReport) -> None:
-    """Load the checkpoint (one DCP folder, or several: say the model and the optimizer apart) here, in one
-    process, and compare it with the same training done here."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    state = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        for number, folder in enumerate(folders):
-            try:
-                dcp_to_torch_save(folder, Path(scratch) / f"{number}.pt")
-                # DCP's metadata is pickled: this loads only the learner's own checkpoint, written by this run.
-                state[str(number)] = torch.load(Path(scratch) / f"{number}.pt", map_location="cpu", weights_only=False)
-            except Exception as error:  # noqa: BLE001
-                report.mistakes.append(f"{folder.name}/ could not be read back ({type(error).__name__}: "
-                                       f"{(str(error).splitlines() or [''])[0][:160]})")
-                return
-    where = ", ".join(f"{folder.name}/" for folder in folders)
-    reference, reference_optimizer = exercise_reference(world_size)
-    expected = reference.state_dict()
-    model_state = _find(state, lambda d: set(expected) <= set(d))
-    if model_state is None:
-        report.mistakes.append(f"{where} holds no model state_dict (with keys {sorted(expected)})")
-    else:
-        loaded = {name: model_state[name] for name in expected}
-        wrong = [n for n in expected if loaded[n].shape != expected[n].shape
-                 or not torch.allclose(loaded[n], expected[n], rtol=1e-4, atol=1e-5)]
-        if wrong:
-            report.mistakes.append(
-                f"the saved parameters ({wrong[0]}, ...) are not the model's after its {EXERCISE_STEPS} training "
-                "steps: save once training is done"
-            )
-        else:
-            report.confirmed.append(f"loaded in one process (world 1, saved at world {world_size}), the model "
-                                    f"equals the trained one")
-    optimizer_state = _find(state, lambda d: "state" in d and "param_groups" in d)
-    if optimizer_state is None or not optimizer_state["state"]:
-        report.mistakes.append("the checkpoint has no optimizer state: a resumed job would start Adam's moments "
-                               "(and its step count) from zero, and train differently")
-        return
-    names = [name for name, _ in reference.named_parameters()]
-    expected_state = {name: reference_optimizer.state[p] for name, p in reference.named_parameters()}
-    # get_state_dict names each parameter's state by its name; optimizer.state_dict() by its position
-    # (which DCP stores as a string).
-    saved = {(names[int(key)] if str(key).isdigit() and int(key) < len(names) else key): value
-             for key, value in optimizer_state["state"].items()}
-    steps = sorted({float(s["step"]) for s in saved.values() if "step" in s})
-    if steps != [float(EXERCISE_STEPS)]:
-        report.mistakes.append(f"the optimizer state is at step {steps}, not after the {EXERCISE_STEPS} steps taken")
-        return
-    for name, state_expected in expected_state.items():
-        moment = saved.get(name, {}).get("exp_avg")
-        if moment is None or moment.shape != state_expected["exp_avg"].shape:
-            report.mistakes.append(f"Adam's moments for {name} are missing or only a piece: some ranks' shards "
-                                   "are not in the checkpoint")
-            return
-        if not torch.allclose(moment, state_expected["exp_avg"], rtol=1e-4, atol=1e-6):
-            report.mistakes.append(f"Adam's moments for {name} are not those of the trained model")
-            return
-    report.confirmed.append(f"Adam's moments are whole and at step {EXERCISE_STEPS}: training resumes where it stopped")

@@ -8,8 +8,9 @@
     record("collectives", comm.summary())   # {"allreduce": {"calls": 1, "bytes": 4202536}, ...}
 
 It is a `TorchDispatchMode`, like PyTorch's own `CommDebugMode` (which counts calls but not bytes): every
-c10d collective called from Python or from C++ (DDP's reducer, FSDP, ZeroRedundancyOptimizer) passes
-through the dispatcher, where it is seen here. "bytes" is the size of the whole tensor a collective works
+c10d collective called from Python or from C++ (DDP's reducer, FSDP, ZeroRedundancyOptimizer), and every
+functional collective (`_c10d_functional`: DTensor's redistributions, tensor parallelism), passes through
+the dispatcher, where it is seen here. "bytes" is the size of the whole tensor a collective works
 on: the tensor all-reduced or broadcast, the full output of an all-gather, the full input of a
 reduce-scatter. What one rank actually puts on the wire depends on the algorithm (a ring all-reduce
 sends about twice that, an all-gather about (W - 1) / W of it).
@@ -31,6 +32,15 @@ _KINDS = {
     "broadcast_": "broadcast", "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter",
     "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "send": "send", "recv_": "recv",
 }
+# Functional collectives (DTensor, tensor parallelism, torch.compile): `_c10d_functional::<op>`. Their
+# all-gathers pass only this rank's shard and the group size.
+_FUNCTIONAL_KINDS = {
+    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast": "broadcast", "broadcast_": "broadcast", "all_to_all_single": "all_to_all",
+}
 
 
 def _tensors(value):
@@ -50,12 +60,16 @@ class count_collectives(TorchDispatchMode):
         self.bytes: dict[str, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = _KINDS.get(func.__name__.split(".")[0]) if func.namespace == "c10d" else None
+        name = func.__name__.split(".")[0]
+        kind = (_KINDS.get(name) if func.namespace == "c10d"
+                else _FUNCTIONAL_KINDS.get(name) if func.namespace == "_c10d_functional" else None)
         if kind is not None:
             # Gathers and scatters pass the whole tensor and a shard (or a list of shards): take the whole.
-            sizes = [sum(t.numel() * t.element_size() for t in _tensors(arg)) for arg in args]
+            whole = max((sum(t.numel() * t.element_size() for t in _tensors(arg)) for arg in args), default=0)
+            if func.namespace == "_c10d_functional" and kind == "all_gather":
+                whole *= args[1]  # (shard, group_size, group_name)
             self.calls[kind] += 1
-            self.bytes[kind] += max(sizes, default=0)
+            self.bytes[kind] += whole
         return func(*args, **(kwargs or {}))
 
     def summary(self) -> dict[str, dict[str, int]]:

@@ -156,7 +156,12 @@ def _torch_bytes(name: str, value) -> bytes:
 def _for_torch_save(value, torch):
     """Tensors moved to the CPU (the notebook often has no GPU context); numpy made torch-native."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        plain = value.detach().cpu()
+        if type(plain) is not torch.Tensor:
+            # A wrapper subclass such as the AsyncCollectiveTensor a tensor-parallel layer returns: an op
+            # through its dispatch gives the plain tensor it stands for.
+            plain = plain.clone()
+        return plain
     if isinstance(value, dict):
         if not all(isinstance(k, (str, int)) for k in value):
             raise _Unstorable(value)

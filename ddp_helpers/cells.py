@@ -1,7 +1,11 @@
 """Turning a notebook cell into a script file that every rank runs.
 
-Scripts go to `<runs root>/<notebook key>/<cell name>.py`, with a header saying where they came from;
-each run's folder goes beside it, in `<runs root>/<notebook key>/<cell name>/`. The notebook key is the
+Scripts go to `<runs root>/<notebook key>/scripts/<cell name>/<cell name>.py`, with a header saying where
+they came from; each run's folder is `<runs root>/<notebook key>/<cell name>/`. Each script has a folder of
+its own because a script's folder is first on its ranks' `sys.path` (as with `python script.py`): in a
+shared folder, a cell named `model` would be what another cell's `import model` finds. For the same
+reason a cell may not be named after a module its ranks can import (`logging`, `numpy`, a `model.py`
+beside the notebook): its script would be imported in the module's place, by torch too. The notebook key is the
 notebook's file name for the course's own notebooks (`runs/02_ddp_basics/`), and the name plus a hash
 of the notebook's full path for any other, so two notebooks with one name never share a folder.
 The runs root is $DDP_HELPERS_RUNS if set, else `runs/` in the project (`config.runs_root`).
@@ -10,8 +14,10 @@ The runs root is $DDP_HELPERS_RUNS if set, else `runs/` in the project (`config.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import re
+import sys
 from pathlib import Path
 
 from .config import runs_root
@@ -38,9 +44,35 @@ def notebook_key(path: Path | None) -> str:
     return f"{stem}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
 
 
+# Folders under <runs root>/<notebook key>/ that are not a cell's run folder.
+_RESERVED = {"scripts": "holds the cells' scripts", "plots": "holds the plots launch_lesson.sh saves"}
+
+
+def _shadows_a_module(name: str) -> bool:
+    """Whether `import name` finds something (the standard library, an installed package, a file in the
+    notebook's folder) that the cell's script `name.py` would replace on its ranks."""
+    if not name.isidentifier():
+        return False  # e.g. "step-1": no import statement can name it
+    if name in sys.stdlib_module_names or name in sys.builtin_module_names:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return True
+
+
 def check_cell_name(name: str) -> str:
     if not _VALID_NAME.match(name):
         raise LaunchError(f"--name must be letters, digits, '_' or '-' (it names the script file), got {name!r}.")
+    if name in _RESERVED:
+        raise LaunchError(f"--name {name!r} is taken: the notebook's runs folder has a {name}/ folder that "
+                          f"{_RESERVED[name]}. Choose another name.")
+    if _shadows_a_module(name):
+        raise LaunchError(
+            f"--name {name!r} would shadow the module {name!r}: the cell's script, {name}.py, comes first on its "
+            f"ranks' sys.path, so `import {name}` (in the cell, or inside torch) would import the cell instead. "
+            f"Choose another name, such as {name}_cell."
+        )
     return name
 
 
@@ -48,7 +80,7 @@ def cell_paths(notebook: str, name: str, root: Path | None = None) -> tuple[Path
     """(script file, run folder) of cell `name` of the notebook with key `notebook`."""
     check_cell_name(name)
     folder = (root or runs_root()) / notebook
-    return folder / f"{name}.py", folder / name
+    return folder / "scripts" / name / f"{name}.py", folder / name
 
 
 def write_cell_script(source: str, script: Path, *, origin: str, name: str) -> Path:

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from .zygote import environment_mismatch, torch_fingerprint
+from .zygote import environment_mismatch, packages_fingerprint, torch_fingerprint
 
 COLD_ENV = "DDP_HELPERS_COLD"
 
@@ -109,7 +109,7 @@ class Zygote:
         self.process: subprocess.Popen | None = None
         self.folder: str | None = None
         self.env: dict[str, str] = {}
-        self.fingerprint = ""
+        self.fingerprint: dict[str, str] = {}
         self._notes_shown: set[str] = set()
 
     @property
@@ -126,7 +126,7 @@ class Zygote:
                 env=self.env, cwd=self.folder, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # the stop button's SIGINT is for the kernel
             )
-        self.fingerprint = ""
+        self.fingerprint = {}
         atexit.register(self.stop)
 
     def ready(self) -> bool:
@@ -136,7 +136,10 @@ class Zygote:
         if not ready.is_file():
             return False
         if not self.fingerprint:
-            self.fingerprint = ready.read_text()
+            try:
+                self.fingerprint = json.loads(ready.read_text())
+            except ValueError:
+                return False  # being written
         return True
 
     def wait_until_ready(self, timeout_s: float = 60) -> bool:
@@ -149,15 +152,19 @@ class Zygote:
             time.sleep(0.05)
         return False
 
-    def why_not(self, launch_env: dict[str, str]) -> str | None:
-        """Why this launch cannot be warm (a note for the user), or None when it can."""
+    def why_not(self, launch_env: dict[str, str]) -> tuple[str, bool] | None:
+        """(why this launch cannot be warm, as a note for the user; whether the warm process must be replaced),
+        or None when it can."""
         if self.process is not None and self.process.poll() is not None:
-            return "the warm process died; it is started again for the next launch"
+            return "the warm process died; it is started again for the next launch", True
         mismatch = environment_mismatch(self.env, launch_env)
         if mismatch:
-            return mismatch
-        if self.fingerprint and self.fingerprint != torch_fingerprint():
-            return "torch changed on disk since the warm process imported it; it is started again"
+            return mismatch, False
+        if self.fingerprint and self.fingerprint.get("torch") != torch_fingerprint():
+            return "torch changed on disk since the warm process imported it; it is started again", True
+        if self.fingerprint and self.fingerprint.get("packages") != packages_fingerprint():
+            return ("packages were installed or removed since the warm process started (site-packages changed: "
+                    "only a fresh process reads its .pth files); it is started again"), True
         return None
 
     def note(self, text: str) -> None:
@@ -193,9 +200,10 @@ def warm_zygote(launch_env: dict[str, str], run_env_keys: tuple[str, ...]) -> Zy
         if zygote.process is None:
             zygote.start(base_env)
             return None
-        reason = zygote.why_not(launch_env)
-        if reason is not None:
-            if zygote.process.poll() is not None or "torch changed" in reason:
+        cold = zygote.why_not(launch_env)
+        if cold is not None:
+            reason, replace = cold
+            if replace:
                 zygote.stop()
                 zygote.start(base_env)
             zygote.note(reason)

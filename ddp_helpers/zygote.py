@@ -7,7 +7,10 @@ every rank of a launch, so a `%%torchrun` cell does not wait ~1.3 s per process 
 Each forked child is still a fresh process for the script: its own session, the environment,
 working directory, arguments and file descriptors 0/1/2 of the process that asked for it (the
 launcher for the supervisor, `_zygote_stub` for a worker), every other descriptor closed, signal
-handlers at their defaults, and fresh random generators (Python's, numpy's, torch's). What differs
+dispositions as a fresh interpreter sets them (SIGPIPE ignored, SIGINT raising KeyboardInterrupt), and
+fresh random generators (Python's, numpy's, torch's). Not fresh: the string hash seed (a running
+interpreter cannot draw a new one), shared by every warm rank of a kernel; `--cold` or
+`--env PYTHONHASHSEED=random` gives each rank its own. What differs
 from a cold process: its parent (the zygote), its process title, its /proc/<pid>/environ (the
 zygote's; the launcher's sweep finds these processes by process group instead), resource limits
 (the zygote's).
@@ -97,6 +100,27 @@ def torch_fingerprint() -> str:
     return ";".join(f"{s.st_ino}:{s.st_mtime_ns}:{s.st_size}" for s in stats)
 
 
+def packages_fingerprint() -> str:
+    """Changes when a package is installed or removed (`%pip install -e ./mylib` adds a .pth file and a
+    dist-info folder): the site-packages folders' own modification times. A process reads .pth files
+    only when it starts, so the warm process cannot see such a package; a fresh one can."""
+    import site
+
+    folders = [*site.getsitepackages(), site.getusersitepackages()]
+    stamps = []
+    for folder in folders:
+        try:
+            stamps.append(f"{folder}:{os.stat(folder).st_mtime_ns}")
+        except OSError:
+            stamps.append(f"{folder}:absent")
+    return ";".join(stamps)
+
+
+def installed_fingerprint() -> dict[str, str]:
+    """What the warm process imported from disk, as the kernel compares it with the disk now."""
+    return {"torch": torch_fingerprint(), "packages": packages_fingerprint()}
+
+
 def write_message(sock: socket.socket, message: dict) -> None:
     body = json.dumps(message).encode()
     sock.sendall(struct.pack("!I", len(body)) + body)
@@ -152,8 +176,7 @@ def _become_child(request: dict, fds: list[int]) -> None:
     code = 1
     try:
         os.setsid()
-        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE, signal.SIGINT, signal.SIGHUP):
-            signal.signal(signum, signal.SIG_DFL)
+        _signals_as_a_fresh_interpreter()
         signal.set_wakeup_fd(-1)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
@@ -193,6 +216,18 @@ def _become_child(request: dict, fds: list[int]) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _signals_as_a_fresh_interpreter() -> None:
+    """The signal dispositions `python script.py` starts with (its parent leaving them at their defaults, as
+    torchrun does): the interpreter ignores SIGPIPE and SIGXFSZ (a write to a closed pipe raises
+    BrokenPipeError instead of killing the process) and turns SIGINT into KeyboardInterrupt; everything
+    else is at its default. The zygote itself ignores SIGINT and SIGPIPE and handles SIGTERM and SIGCHLD."""
+    for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    for signum in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(signum, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _fresh_randomness() -> None:
@@ -358,7 +393,7 @@ def main(argv: list[str]) -> int:
         _preimport()
         zygote = Zygote(folder)
         with open(os.path.join(folder, "ready"), "w") as ready:
-            ready.write(torch_fingerprint())
+            ready.write(json.dumps(installed_fingerprint()))
         zygote.serve()
     finally:
         if zygote is not None:

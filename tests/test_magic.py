@@ -46,6 +46,10 @@ def test_help_lists_the_options_and_launches_nothing(ipython, capsys, tmp_path):
         ("--env NOEQUALS", r"--env takes NAME=VALUE"),
         ("--kill-rank 1", r"kill_rank and kill_after go together"),
         ("-n 2 --kill-rank 5 --kill-after 'step 1'", r"kill_rank must be a rank of this run, 0 to 1, got '5'"),
+        # Its script would come first on the ranks' sys.path: torch's own `import logging` would get the cell.
+        ("--name logging", r"--name 'logging' would shadow the module 'logging'.*such as logging_cell"),
+        ("--name numpy", r"--name 'numpy' would shadow the module 'numpy'"),
+        ("--name plots", r"--name 'plots' is taken"),
     ],
 )
 def test_bad_input_is_one_clear_error_and_nothing_runs(ipython, tmp_path, line, message):
@@ -74,7 +78,7 @@ def test_cells_run_on_every_rank_and_failures_fail_the_cell(ipython, tmp_path):
     greeting = ipython.user_ns["greeting"]
     assert greeting.facts("rank") == [0, 1]
     assert greeting.facts("cwd") == [os.getcwd()] * 2  # --cwd . : the notebook's (kernel's) folder
-    script = tmp_path / "runs" / "notebook" / "greet.py"
+    script = tmp_path / "runs" / "notebook" / "scripts" / "greet" / "greet.py"
     assert script.read_text().startswith("# Generated from notebook.ipynb, %%torchrun cell 'greet'")
 
     failed = run_cell(
@@ -110,3 +114,16 @@ def test_agents_restarts_and_a_killed_rank_from_a_cell(ipython):
     agents = ipython.user_ns["agents"]
     assert sorted(r.agent for r in agents.ranks) == [0, 1] and agents.restarts == 1
     assert agents.ranks[1].attempts[-1].strip() == "again"
+
+
+def test_a_cell_never_imports_another_cells_script(ipython, tmp_path):
+    # Each cell's script has a folder of its own: `import stage_one` finds the learner's own stage_one.py
+    # in the working directory (--cwd), never the script of the cell named stage_one.
+    first = run_cell(ipython, "-n 2 --backend gloo --name stage_one --out first", "WHO = 'the cell'\n")
+    assert first.success, first.error_in_exec
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "stage_one.py").write_text("WHO = 'my own file'\n")
+    second = run_cell(ipython, f"-n 2 --backend gloo --name stage_two --out second --cwd {tmp_path / 'work'}",
+                      "import stage_one\nfrom ddp_helpers import record\nrecord('who', stage_one.WHO)\n")
+    assert second.success, second.error_in_exec
+    assert ipython.user_ns["second"].facts("who") == ["my own file"] * 2

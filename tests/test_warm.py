@@ -13,14 +13,24 @@ from support import DAEMON_SOURCE, failure_report, run_on_cpu
 
 PROBE = textwrap.dedent(
     """
-    import os, random, sys, threading
+    import os, random, signal, sys, threading
     import numpy as np
     import torch
     import torch.distributed as dist
     from ddp_helpers import record
 
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        os.write(write_end, b"x")  # a fresh interpreter ignores SIGPIPE: this raises instead of killing us
+        broken_pipe = "written"
+    except BrokenPipeError:
+        broken_pipe = "BrokenPipeError"
     dist.init_process_group("gloo")
     record("process", {
+        "signals": {name: str(signal.getsignal(getattr(signal, name)))
+                    for name in ("SIGPIPE", "SIGINT", "SIGXFSZ", "SIGTERM", "SIGHUP", "SIGCHLD", "SIGUSR2")},
+        "broken_pipe": broken_pipe,
         "env": dict(os.environ), "argv": sys.argv, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(),
         "threads": len(os.listdir("/proc/self/task")), "python_threads": threading.active_count(),
         "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
@@ -64,8 +74,40 @@ def test_a_warm_rank_is_the_same_process_as_a_cold_one(probe, zygote_pid):
         assert {k: v for k, v in w["env"].items() if k not in PER_LAUNCH} == \
                {k: v for k, v in c["env"].items() if k not in PER_LAUNCH}
         for key in ("argv", "file", "path0", "cwd", "threads", "python_threads", "fds", "session_leader",
-                    "torch_threads", "default_dtype", "main"):
+                    "torch_threads", "default_dtype", "main", "signals", "broken_pipe"):
             assert w[key] == c[key], f"{key}: warm {w[key]!r}, cold {c[key]!r}"
+
+
+def test_a_warm_rank_gets_keyboard_interrupt_on_sigint_as_a_cold_one_does(write_script, zygote_pid):
+    script = write_script("interrupted", """
+        import os, signal
+        from ddp_helpers import record
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            seen = "no interrupt"
+        except KeyboardInterrupt:
+            seen = "KeyboardInterrupt"
+        record("seen", [seen, os.getppid()])
+    """)
+    for cold in (True, False):
+        run = run_on_cpu(script, cold=cold)
+        assert run.ok, failure_report(run)
+        assert [seen for seen, _ in run.facts("seen")] == ["KeyboardInterrupt"] * 2
+        assert all((parent == zygote_pid) != cold for _, parent in run.facts("seen"))
+
+
+def test_each_rank_draws_its_own_hash_seed_when_asked(write_script, zygote_pid):
+    # Warm ranks share the warm process's string hash seed (a running interpreter cannot draw another):
+    # PYTHONHASHSEED=random makes the launch cold, and each rank draws its own, as plain python does.
+    script = write_script("hashes", """
+        import os
+        from ddp_helpers import record
+        record("seen", [hash("abc"), os.getppid()])
+    """)
+    run = run_on_cpu(script, extra_env={"PYTHONHASHSEED": "random"})
+    assert run.ok, failure_report(run)
+    (hash0, parent0), (hash1, parent1) = run.facts("seen")
+    assert hash0 != hash1 and zygote_pid not in (parent0, parent1)
 
 
 def test_unseeded_randomness_differs_across_ranks_and_launches(probe, zygote_pid):
@@ -148,6 +190,42 @@ def test_torch_changed_on_disk_means_a_cold_launch_and_a_new_warm_process(probe,
     assert "torch changed on disk" in capsys.readouterr().err
     monkeypatch.undo()
     assert prepare_warm_launches() and warm._ZYGOTE.process.pid != old_pid
+
+
+def test_a_package_installed_after_the_warm_process_started_is_importable(write_script, tmp_path, capsys):
+    # As `%pip install -e ./mylib` does: a .pth file in site-packages naming the package's folder. Only a
+    # process started after it reads it.
+    import site
+    import uuid
+
+    name = f"mylib_{uuid.uuid4().hex[:8]}"
+    (tmp_path / "mylib").mkdir()
+    (tmp_path / "mylib" / f"{name}.py").write_text("ANSWER = 42\n")
+    pth = os.path.join(site.getsitepackages()[0], f"__editable__{name}.pth")
+    script = write_script("uses_mylib", f"""
+        import os
+        import {name}
+        from ddp_helpers import record
+        record("seen", [{name}.ANSWER, os.getppid()])
+    """)
+    assert prepare_warm_launches()
+    capsys.readouterr()
+    try:
+        with open(pth, "w") as f:
+            f.write(str(tmp_path / "mylib") + "\n")
+        run = run_on_cpu(script)
+        assert run.ok, failure_report(run)
+        assert [answer for answer, _ in run.facts("seen")] == [42, 42]
+        assert "packages were installed or removed" in capsys.readouterr().err
+        assert prepare_warm_launches()
+        new_pid = warm._ZYGOTE.process.pid
+        again = run_on_cpu(script)  # the new warm process reads the .pth file: warm again
+        assert again.ok, failure_report(again)
+        assert again.facts("seen") == [[42, new_pid]] * 2
+    finally:
+        os.remove(pth)
+        warm._ZYGOTE.stop()  # site-packages changed again: start the next tests with a current warm process
+        assert prepare_warm_launches()
 
 
 RESTARTS = """

@@ -352,6 +352,8 @@ class Zygote:
     def shutdown(self) -> None:
         """The kernel is gone: let each run's supervisor stop its run and sweep (what its ranks left
         behind, daemons included), within the launcher's bound; then kill whatever is left."""
+        # A second SIGTERM (a kernel shut down with now=True sends two) must not cut this short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         running = {pid for pid in self.supervisors if pid in self.children}
         for pid in running:
             try:
@@ -399,6 +401,7 @@ def main(argv: list[str]) -> int:
         if zygote is not None:
             zygote.shutdown()
         else:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             shutil.rmtree(folder, ignore_errors=True)
     return 0
 

@@ -228,6 +228,32 @@ def test_a_package_installed_after_the_warm_process_started_is_importable(write_
         assert prepare_warm_launches()
 
 
+def test_two_sigterms_to_the_warm_process_leave_nothing_behind(write_script):
+    # A kernel shut down with now=True sends SIGTERM twice. The second one arrives while the warm process
+    # waits for a run's supervisor to stop: it must not cut the cleanup short.
+    import signal
+    import threading
+    import time
+
+    assert prepare_warm_launches()
+    process, folder = warm._ZYGOTE.process, warm._ZYGOTE.folder
+    sleeper = write_script("sleeper", "import time\ntime.sleep(60)\n")
+    thread = threading.Thread(target=run_on_cpu, args=(sleeper,), kwargs={"timeout_s": 90, "stream": False})
+    thread.start()
+    children = f"/proc/{process.pid}/task/{process.pid}/children"
+    deadline = time.monotonic() + 30
+    while len(open(children).read().split()) < 3 and time.monotonic() < deadline:  # supervisor and 2 ranks
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.005)  # the second one a moment later, as the kernel's shutdown sends it
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=15)
+    thread.join(timeout=30)
+    assert not os.path.exists(folder), os.listdir(folder)
+    warm._ZYGOTE.stop()
+    assert prepare_warm_launches()
+
+
 RESTARTS = """
 import os, signal, torch, torch.distributed as dist
 from ddp_helpers import record

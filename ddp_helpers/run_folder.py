@@ -80,16 +80,6 @@ def read_json(path: Path) -> object | None:
         return None
 
 
-def _made_by_an_earlier_version(target: Path) -> bool:
-    """A cell's run folder from before run folders were marked: it sits beside the script generated for
-    the same cell (`<name>.py`, whose first line says so)."""
-    script = target.parent / f"{target.name}.py"
-    if not target.is_dir() or target.is_symlink() or not script.is_file():
-        return False
-    with open(script, "rb") as f:
-        return f.readline().startswith(b"# Generated from ")
-
-
 class RunFolder:
     """A run folder (see the module docstring). `path` is absolute."""
 
@@ -138,11 +128,8 @@ class RunFolder:
         """
         folder = cls(Path(path).resolve())
         target = folder.path
-        if not (target / MARKER_NAME).is_file():
-            if _made_by_an_earlier_version(target):
-                write_atomically(target / MARKER_NAME, json.dumps({"run_id": None, "pid": os.getpid()}).encode())
-            else:
-                folder._create_marked(target)
+        if not (target / MARKER_NAME).is_file():  # ours only by our own marker: nothing else is ever emptied
+            folder._create_marked(target)
         lock_fd = os.open(target / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -303,16 +303,12 @@ def test_plain_python_agrees_on_those_exit_statuses(write_script, tmp_path):
     assert statuses == [0, 255]
 
 
-def test_a_cell_run_folder_of_an_earlier_version_is_taken_over(tmp_path):
-    """Run folders were not marked before: one beside its generated script is adopted; without the
-    script beside it, a folder of the same shape is the user's and refused."""
-    notebook = tmp_path / "runs" / "lesson"
-    (notebook / "step1" / "facts").mkdir(parents=True)
-    (notebook / "step1.py").write_text("# Generated from lesson.ipynb, %%torchrun cell 'step1' - edit the notebook\n")
-    with RunFolder.claim(notebook / "step1") as folder:
-        folder.start_launch("new")
-    assert not (notebook / "step1" / "facts").exists()
-    (notebook / "mine").mkdir()
-    (notebook / "mine.py").write_text("print('my own script')\n")
+def test_a_folder_is_ours_only_by_our_marker(tmp_path):
+    """A user's grammar/ beside their grammar.py whose first line reads "# Generated from" (as ANTLR writes)
+    is theirs: refused, never emptied."""
+    (tmp_path / "grammar").mkdir()
+    (tmp_path / "grammar" / "keep.txt").write_text("mine")
+    (tmp_path / "grammar.py").write_text("# Generated from Grammar.g4 by ANTLR 4.13\n")
     with pytest.raises(LaunchError, match="did not create"):
-        RunFolder.claim(notebook / "mine")
+        RunFolder.claim(tmp_path / "grammar")
+    assert (tmp_path / "grammar" / "keep.txt").read_text() == "mine"

@@ -44,6 +44,7 @@ def notebook_key(path: Path | None) -> str:
     return f"{stem}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
 
 
+MAX_NAME_LENGTH = 100  # file names stop at 255 bytes, and the run folder adds its own below it
 # Folders under <runs root>/<notebook key>/ that are not a cell's run folder.
 _RESERVED = {"scripts": "holds the cells' scripts", "plots": "holds the plots launch_lesson.sh saves"}
 
@@ -64,6 +65,9 @@ def _shadows_a_module(name: str) -> bool:
 def check_cell_name(name: str) -> str:
     if not _VALID_NAME.match(name):
         raise LaunchError(f"--name must be letters, digits, '_' or '-' (it names the script file), got {name!r}.")
+    if len(name) > MAX_NAME_LENGTH:
+        raise LaunchError(f"--name is at most {MAX_NAME_LENGTH} characters (it names the script file and the run "
+                          f"folder), got {len(name)}.")
     if name in _RESERVED:
         raise LaunchError(f"--name {name!r} is taken: the notebook's runs folder has a {name}/ folder that "
                           f"{_RESERVED[name]}. Choose another name.")

@@ -330,6 +330,16 @@ def make_launch_config(
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or not 0 <= max_restarts <= 10:
         raise LaunchError(f"max_restarts must be a whole number from 0 to 10, got {max_restarts!r}.")
     env = check_extra_env(extra_env)
+    for key in env:
+        if key == "PYTHONUNBUFFERED":
+            raise LaunchError("extra_env may not set PYTHONUNBUFFERED: the launcher sets it to 1, so that every "
+                              "rank's output streams into the notebook as it is printed.")
+        if key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") and slurm is None:
+            raise LaunchError(
+                f"extra_env may not set {key} for a run on this machine: the launcher keeps gloo's and nccl's "
+                "connections on loopback (lo), so that nothing of the run is reachable from the network. On a "
+                "cluster (--slurm), set it to the nodes' network interface."
+            )
     working_dir = None
     if cwd is not None:
         working_dir = Path(cwd).expanduser().resolve()
@@ -342,7 +352,7 @@ def make_launch_config(
         return slurm_launch_config(script_path, slurm, nproc=nproc, backend=backend, timeout_s=timeout_s,
                                     run_dir=run_dir, cwd=working_dir, extra_env=env, script_args=script_args,
                                     stream=stream, max_restarts=max_restarts,
-                                    unsupported={"nnodes": nnodes != 1, "kill_rank": kill_rank is not None,
+                                    unsupported={"nnodes": str(nnodes).strip() != "1", "kill_rank": kill_rank is not None,
                                                  "join_after": join_after is not None})
     nnodes = parse_nnodes(nnodes)
     hardware = hardware or detect_hardware()

@@ -21,7 +21,7 @@ import traceback
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from .cells import cell_paths, notebook_key, notebook_path, write_cell_script
 from .config import DEFAULT_TIMEOUT_S, SlurmJob, make_launch_config
@@ -89,7 +89,10 @@ class TorchrunMagics(Magics):
     def torchrun(self, line: str, cell: str):
         """Run this cell as a script on every rank under torchrun; see `%%torchrun?`."""
         try:
-            args = parse_argstring(self.torchrun, line)
+            # Split as a shell would (IPython's own splitter keeps the quotes of --env WHO='the cell').
+            args = self.torchrun.parser.parse_args(shlex.split(line))
+        except ValueError as error:  # unbalanced quotes
+            raise UsageError(f"{error} in the %%torchrun line (%%torchrun --help lists the options)") from None
         except UsageError as error:
             raise UsageError(f"{error} (%%torchrun --help lists the options)") from None
         if args.help:
@@ -149,7 +152,7 @@ def _variables(assignments: list[str]) -> dict[str, str]:
     """--env NAME=VALUE options as a dict (make_launch_config checks the names and values)."""
     variables = {}
     for assignment in assignments:
-        name, equals, value = assignment.partition("=")
+        name, equals, value = _unquoted(assignment).partition("=")  # --env 'MSG=hello world' too
         if not equals:
             raise LaunchError(f"--env takes NAME=VALUE, got {assignment!r}. Example: --env TORCH_DISTRIBUTED_DEBUG=DETAIL")
         variables[name] = _unquoted(value)

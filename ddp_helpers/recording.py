@@ -26,7 +26,7 @@ import sys
 
 from .run_folder import RunFolder, write_atomically
 
-_VALID_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_VALID_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")  # it names a file: at most 200 characters
 _WHAT_TO_PASS = (
     "numbers, strings, booleans, None, lists, tuples and dicts with string keys of those, numpy scalars and "
     "arrays, or torch tensors (and lists/dicts of tensors)"
@@ -41,7 +41,7 @@ def record(name: str, value):
     """Save `value` under `name` for this rank, for the notebook to read back as `run.ranks[r].facts[name]`.
 
     Args:
-        name (str): letters, digits, '_', '.', '-'; recording a name again replaces the value.
+        name (str): 1 to 200 letters, digits, '_', '.', '-'; recording a name again replaces the value.
         value: a JSON-able value (numbers, strings, lists, dicts with string keys), numpy scalars and
             arrays (read back as numbers and lists), a tensor, or a structure of tensors (saved with
             torch.save, read back with weights_only=True, on the CPU).
@@ -53,7 +53,8 @@ def record(name: str, value):
         RecordError: the value cannot be stored; the message names the fact, the type, and what to pass.
     """
     if not isinstance(name, str) or not _VALID_NAME.match(name):
-        raise ValueError(f"record name must be letters, digits, '_', '.', '-' (e.g. 'grad_norm'), got {name!r}")
+        raise ValueError("record name must be 1 to 200 letters, digits, '_', '.', '-' (e.g. 'grad_norm'), got "
+                         f"{name if not isinstance(name, str) or len(name) <= 80 else name[:80] + '...'!r}")
     folder = RunFolder.from_environment()
     if folder is None:
         return value

@@ -180,3 +180,20 @@ def test_bad_slurm_jobs_are_refused_before_submitting(script, job, options, mess
 
     with pytest.raises(LaunchError, match=message):
         make_launch_config(script, slurm=SlurmJob(**job), hardware=NO_GPU, **options)
+
+
+def test_nnodes_1_is_the_default_and_goes_with_slurm(script):
+    from ddp_helpers.config import SlurmJob
+
+    config = make_launch_config(script, nnodes="1", slurm=SlurmJob(nodes=2), hardware=NO_GPU)
+    assert config.nnodes == 2  # the job's nodes
+    with pytest.raises(LaunchError, match="nnodes is for runs on this machine"):
+        make_launch_config(script, nnodes="2", slurm=SlurmJob(nodes=2), hardware=NO_GPU)
+
+
+def test_a_record_name_too_long_for_a_file_is_one_clear_error():
+    from ddp_helpers import record
+
+    with pytest.raises(ValueError, match="record name must be 1 to 200 letters"):
+        record("x" * 300, 1)
+    assert record("x" * 200, 1) == 1  # outside a launch: nothing stored

@@ -50,6 +50,10 @@ def test_help_lists_the_options_and_launches_nothing(ipython, capsys, tmp_path):
         ("--name logging", r"--name 'logging' would shadow the module 'logging'.*such as logging_cell"),
         ("--name numpy", r"--name 'numpy' would shadow the module 'numpy'"),
         ("--name plots", r"--name 'plots' is taken"),
+        ("--name " + "x" * 245, r"--name is at most 100 characters"),
+        ("--env GLOO_SOCKET_IFNAME=eth0", r"may not set GLOO_SOCKET_IFNAME for a run on this machine.*loopback"),
+        ("--env NCCL_SOCKET_IFNAME=eth0", r"may not set NCCL_SOCKET_IFNAME"),
+        ("--env PYTHONUNBUFFERED=0", r"may not set PYTHONUNBUFFERED"),
     ],
 )
 def test_bad_input_is_one_clear_error_and_nothing_runs(ipython, tmp_path, line, message):
@@ -127,3 +131,10 @@ def test_a_cell_never_imports_another_cells_script(ipython, tmp_path):
                       "import stage_one\nfrom ddp_helpers import record\nrecord('who', stage_one.WHO)\n")
     assert second.success, second.error_in_exec
     assert ipython.user_ns["second"].facts("who") == ["my own file"] * 2
+
+
+def test_env_values_may_hold_spaces_quoted_as_in_a_shell(ipython):
+    result = run_cell(ipython, "-n 2 --backend gloo --name spaced --out spaced --env 'MSG=hello world' --env WHO='the cell'",
+                      "import os\nfrom ddp_helpers import record\nrecord('env', [os.environ['MSG'], os.environ['WHO']])\n")
+    assert result.success, result.error_in_exec
+    assert ipython.user_ns["spaced"].facts("env") == [["hello world", "the cell"]] * 2

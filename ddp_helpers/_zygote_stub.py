@@ -22,6 +22,17 @@ import sys
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
+def _umask() -> int:
+    """This process's umask, for the rank the zygote forks (it would otherwise have the zygote's)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)  # no /proc field (old kernels): read it by setting it, then put it back
+    os.umask(mask)
+    return mask
+
+
 def _arm_parent_death() -> None:
     # Die with the torchrun agent, as a cold worker would (the zygote then kills the real worker).
     try:
@@ -59,7 +70,7 @@ def _run_cold(cold_argv: list[str]) -> None:
 def main() -> None:
     _arm_parent_death()
     socket_path, cold_argv = sys.argv[1], sys.argv[2:]
-    request = {"role": "worker", "argv": cold_argv, "env": dict(os.environ), "cwd": os.getcwd()}
+    request = {"role": "worker", "argv": cold_argv, "env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask()}
     body = json.dumps(request).encode()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -31,6 +31,7 @@ OS-chosen port for the duration of the run, as every torchrun launch does.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -46,7 +47,7 @@ from .readback import collect_result
 from .result import RunResult
 from .run_folder import AGENT_GPUS_ENV, JOIN_AFTER_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder
 from . import warm
-from .warm import WarmProcess, warm_zygote
+from .warm import WarmProcess, current_umask, warm_zygote
 
 _STUB = str(Path(__file__).resolve().parent / "_zygote_stub.py")
 # Variables that differ from launch to launch: not part of the warm process's environment.
@@ -118,10 +119,13 @@ def supervisor_arguments(config: LaunchConfig, parent_pid: int, zygote_socket: s
 
 def _start_supervisor(config: LaunchConfig, env: dict[str, str], log) -> subprocess.Popen | WarmProcess:
     """Fork the supervisor from the zygote when the launch can be warm; else start a fresh interpreter."""
-    zygote = warm_zygote(env, RUN_ENV_KEYS) if config.warm else None
+    zygote = None
+    if config.warm:
+        without_cell_env = child_environment(dataclasses.replace(config, extra_env={}), env.get(RUN_ID_ENV, ""))
+        zygote = warm_zygote(env, RUN_ENV_KEYS, without_cell_env)
     if zygote is not None:
         request = {"role": "supervisor", "argv": supervisor_arguments(config, zygote.process.pid, zygote.socket_path),
-                   "env": env, "cwd": str(config.working_dir)}
+                   "env": env, "cwd": str(config.working_dir), "umask": current_umask()}
         with open(os.devnull, "rb") as devnull:
             try:
                 return WarmProcess.start(zygote.socket_path, request, (devnull.fileno(), log.fileno(), log.fileno()))

@@ -102,6 +102,17 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     return data
 
 
+def current_umask() -> int:
+    """This process's umask (the kernel's: a cell may have changed it), for the supervisor the zygote forks."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 class Zygote:
     """The zygote of this process, as the launcher sees it."""
 
@@ -152,14 +163,17 @@ class Zygote:
             time.sleep(0.05)
         return False
 
-    def why_not(self, launch_env: dict[str, str]) -> tuple[str, bool] | None:
+    def why_not(self, launch_env: dict[str, str], base_env: dict[str, str]) -> tuple[str, bool] | None:
         """(why this launch cannot be warm, as a note for the user; whether the warm process must be replaced),
-        or None when it can."""
+        or None when it can. `base_env` is the launch's environment without what this cell alone adds."""
         if self.process is not None and self.process.poll() is not None:
             return "the warm process died; it is started again for the next launch", True
+        changed = environment_mismatch(self.env, base_env)
+        if changed:  # the kernel's own environment changed: every later launch would differ too
+            return f"{changed}; the warm process is started again with the new environment", True
         mismatch = environment_mismatch(self.env, launch_env)
-        if mismatch:
-            return mismatch, False
+        if mismatch:  # this cell's --env: the warm process's modules may have read another value already
+            return f"{mismatch} (--env of this cell)", False
         if self.fingerprint and self.fingerprint.get("torch") != torch_fingerprint():
             return "torch changed on disk since the warm process imported it; it is started again", True
         if self.fingerprint and self.fingerprint.get("packages") != packages_fingerprint():
@@ -189,18 +203,20 @@ _ZYGOTE = Zygote()
 _STARTING = threading.Lock()
 
 
-def warm_zygote(launch_env: dict[str, str], run_env_keys: tuple[str, ...]) -> Zygote | None:
+def warm_zygote(launch_env: dict[str, str], run_env_keys: tuple[str, ...],
+                base_env: dict[str, str] | None = None) -> Zygote | None:
     """The zygote to fork this launch's supervisor from, or None (launch cold; a note says why, when the
-    reason is worth knowing). Starts the zygote for later launches when there is none."""
+    reason is worth knowing). Starts the zygote for later launches when there is none. `base_env`: the
+    launch's environment without what this cell alone adds (its --env), which the zygote is started with."""
     if os.environ.get(COLD_ENV) == "1":
         return None
     zygote = _ZYGOTE
-    base_env = {k: v for k, v in launch_env.items() if k not in run_env_keys}
+    base_env = {k: v for k, v in (launch_env if base_env is None else base_env).items() if k not in run_env_keys}
     with _STARTING:  # launches from several threads start one zygote, not one each
         if zygote.process is None:
             zygote.start(base_env)
             return None
-        cold = zygote.why_not(launch_env)
+        cold = zygote.why_not(launch_env, base_env)
         if cold is not None:
             reason, replace = cold
             if replace:

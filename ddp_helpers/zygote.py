@@ -18,16 +18,17 @@ zygote's; the launcher's sweep finds these processes by process group instead), 
 Rules that keep forking safe (each was a hang or a deadlock in the prototype):
 - the zygote never computes (no thread pool starts) and checks it has exactly one thread before
   every fork; it never initialises CUDA (checked);
-- libraries that read the environment when imported (OpenMP, OpenBLAS, torch's logging) saw the
-  zygote's: the launcher launches cold when the launch's environment differs there
-  (`environment_mismatch`); a forked rank sets torch's thread count from its own OMP_NUM_THREADS.
+- libraries that read the environment when imported (OpenMP, OpenBLAS, torch's logging, tqdm) saw the
+  zygote's: the launcher launches cold when the launch's environment differs from it in any variable
+  but the per-launch ones (`environment_mismatch`); a forked rank sets torch's thread count from its own
+  OMP_NUM_THREADS, and re-reads TMPDIR (tempfile) and TZ (time.tzset), and takes its client's umask.
 
 Security: the socket lives in a private folder (0700), is itself 0600, and the zygote also checks the
 peer's user id (SO_PEERCRED): nothing else can ask it to run code. It dies with the kernel (parent-death
 signal), removing its folder; its children notice (the supervisor stops its run; ranks die).
 
 Protocol (one Unix stream connection per child): the client sends a length-prefixed JSON request
-{"role": "supervisor"|"worker", "argv", "env", "cwd"} with its fds 0/1/2 attached; the zygote answers
+{"role": "supervisor"|"worker", "argv", "env", "cwd", "umask"} with its fds 0/1/2 attached; the zygote answers
 {"pid": N} once forked, then {"status": wait_status} when the child ends. When the client goes away
 first, the zygote kills the child's process group.
 """
@@ -42,6 +43,7 @@ import signal
 import socket
 import struct
 import sys
+import tempfile
 import time
 
 from .processes import process_name_for, set_process_name
@@ -50,16 +52,12 @@ from .run_folder import AGENT_PID_ENV, RUN_ID_ENV
 # How long a supervisor gets to stop its run and sweep when the kernel dies (inside launcher.STOP_BOUND_S).
 SUPERVISOR_STOP_S = 10
 
-# Environment variables read when the pre-imported modules load: a launch whose values differ from the
-# zygote's runs cold (the warm ranks would behave as if they had the zygote's).
-IMPORT_TIME_ENV_PREFIXES = (
-    "TORCH_", "PYTORCH_", "TORCHDYNAMO_", "TORCHINDUCTOR_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO",
-    "PYTHON", "LD_", "CUDA_", "MALLOC_",
-)
-IMPORT_TIME_ENV = ("LOGLEVEL", "TORCH_LOGS")
-# Set per launch or per rank, read later than import (when CUDA starts, a process group or a
-# rendezvous is created): they may differ.
+# Set per launch or per rank, and read later than import (when CUDA starts, a process group or a
+# rendezvous is created): they may differ between the warm process and a launch.
 RUNTIME_ENV = ("CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+RUNTIME_ENV_PREFIXES = ("DDP_HELPERS_", "TORCHELASTIC_")  # the launcher's and torchrun's own, per launch
+# Rewritten all the time by the program hosting the launcher, read by no library at import.
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
 
 
 def _set_by_torch_to_its_default(key: str, value: str) -> bool:
@@ -72,18 +70,20 @@ def _set_by_torch_to_its_default(key: str, value: str) -> bool:
     return os.path.abspath(value) == os.path.abspath(default_cache_dir())
 
 
-def import_time_environment(env: dict[str, str]) -> dict[str, str]:
-    return {
-        key: value for key, value in env.items()
-        if (key in IMPORT_TIME_ENV or key.startswith(IMPORT_TIME_ENV_PREFIXES))
-        and key not in RUNTIME_ENV and not key.startswith("TORCHELASTIC_")
-        and not _set_by_torch_to_its_default(key, value)
-    }
+def _compared(env: dict[str, str]) -> dict[str, str]:
+    return {key: value for key, value in env.items()
+            if key not in RUNTIME_ENV and key not in VOLATILE_ENV and not key.startswith(RUNTIME_ENV_PREFIXES)
+            and not _set_by_torch_to_its_default(key, value)}
 
 
 def environment_mismatch(zygote_env: dict[str, str], launch_env: dict[str, str]) -> str | None:
-    """The first import-time variable whose value differs, as a short note, or None."""
-    ours, theirs = import_time_environment(zygote_env), import_time_environment(launch_env)
+    """The first variable whose value differs between the warm process and a launch, as a short note, or None.
+
+    Any variable counts, not a list of known ones: the modules the warm process imported (torch, numpy,
+    and what they import: OpenMP, logging, tqdm, tempfile's TMPDIR, ...) read what they read when they
+    loaded, and a warm rank would behave as if it had the warm process's value, where a fresh process
+    reads its own."""
+    ours, theirs = _compared(zygote_env), _compared(launch_env)
     for key in sorted(set(ours) | set(theirs)):
         if ours.get(key) != theirs.get(key):
             return f"{key}={theirs.get(key)!r} differs from the warm process's {ours.get(key)!r}"
@@ -183,6 +183,11 @@ def _become_child(request: dict, fds: list[int]) -> None:
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         os.environ.clear()
         os.environ.update(request["env"])
+        # What a fresh process reads from its environment and its parent at start-up.
+        tempfile.tempdir = None  # tempfile caches TMPDIR at first use
+        time.tzset()
+        if "umask" in request:
+            os.umask(int(request["umask"]))
         # The run's marker where the sweep can see it: /proc environ still shows the zygote's.
         set_process_name(process_name_for(os.environ.get(RUN_ID_ENV, "")))
         os.chdir(request["cwd"])

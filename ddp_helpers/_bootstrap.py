@@ -65,6 +65,17 @@ def _exit_status(exit: SystemExit) -> int:
     return 1
 
 
+ERROR_KEEP_CHARS = 32 * 1024  # of an exception's message and traceback, kept from each end in error.json
+
+
+def _capped(text: str, keep: int = ERROR_KEEP_CHARS) -> str:
+    """`text`, or its first and last `keep` characters with a line saying how many were dropped between:
+    a 30 MiB exception message must not travel to the notebook several times over."""
+    if len(text) <= 2 * keep:
+        return text
+    return f"{text[:keep]}\n[ddp_helpers] ... {len(text) - 2 * keep:,} characters dropped here ...\n{text[-keep:]}"
+
+
 def _print_user_traceback(error: BaseException, script: str) -> str:
     """The traceback from the script's first frame on: the bootstrap's frames are noise."""
     tb = error.__traceback__
@@ -257,8 +268,8 @@ def main() -> None:
         if folder is not None:
             folder.write_json(
                 folder.rank_file(rank, "error.json"),
-                {"rank": rank, "time": failed_at, "type": type(error).__name__, "message": str(error),
-                 "traceback": text},
+                {"rank": rank, "time": failed_at, "type": type(error).__name__, "message": _capped(str(error)),
+                 "traceback": _capped(text)},
             )
     try:
         _finish_like_the_interpreter()

@@ -193,6 +193,21 @@ def test_numpy_values_come_back_and_an_unreadable_fact_loses_nothing_else(write_
 
 # ---- 5: endless output is bounded --------------------------------------------------------------------
 
+def test_a_huge_exception_message_is_capped_where_it_is_stored_and_shown(write_script):
+    run = run_on_cpu(write_script("huge", """
+        import os
+        if os.environ["RANK"] == "1":
+            raise ValueError("start " + "x" * (10 * 2**20) + " end")
+    """), stream=False)
+    assert not run.ok and run.first_failure.rank == 1
+    error = run.first_failure.error
+    assert error.message.startswith("start") and error.message.endswith("end"), "both ends are kept"
+    assert "characters dropped here" in error.message and len(error.message) < 100_000
+    assert len(error.traceback) < 100_000
+    assert (run.run_dir / "rank1.error.json").stat().st_size < 500_000
+    assert len(run.summary()) < 500_000
+
+
 ENDLESS_PRINTER = """
 import os
 line = f"rank {os.environ['RANK']} says something again and again " * 3

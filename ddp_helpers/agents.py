@@ -153,11 +153,15 @@ class JoinWhenSeen:
 
 
 def merge_outcomes(outcomes: list[dict]) -> dict:
-    """One outcome for the run from every agent's."""
+    """One outcome for the run from every agent's (`outcomes[k]` is agent k's)."""
     merged: dict = {"succeeded": all(o.get("succeeded") for o in outcomes)}
     failures = {rank: f for o in outcomes for rank, f in (o.get("failures") or {}).items()}
     if failures or any("failures" in o for o in outcomes):
         merged["failures"] = failures
+        # Agents stopped (or broken) before their torchrun could say how their ranks ended: those ranks are
+        # not among the failures, and not known to have finished either.
+        merged["unfinished_agents"] = [agent for agent, o in enumerate(outcomes)
+                                       if not o.get("succeeded") and "failures" not in o]
     for key in ("stopped_by", "agent_error"):
         found = [o[key] for o in outcomes if key in o]
         if found:

@@ -80,6 +80,9 @@ def collect_result(
             exit_code = 0
         elif seen is not None:
             exit_code = seen.get("exit_code")
+        elif "failures" in outcome and identity.get("agent") in outcome.get("unfinished_agents", ()):
+            # Its agent was stopped before it could say: finished if the rank wrote how it ended, else stopped.
+            exit_code = (folder.read_own_json(folder.rank_file(rank, "exit.json")) or {}).get("exit_code")
         elif "failures" in outcome:
             exit_code = 0  # the agent listed every rank that failed; this one was not among them
         elif not outcome:  # no agent to ask (a Slurm job): how the rank said it ended, if it could

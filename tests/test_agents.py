@@ -94,6 +94,9 @@ def test_a_rank_failing_under_the_second_agent_is_named(write_script):
     assert not run.ok
     assert run.first_failure is not None and run.first_failure.rank == 3, failure_report(run)
     assert "rank 3 fails on purpose" in run.summary()
+    # The first agent's ranks were stopped mid-run (waiting for rank 3 in a collective): not "ok".
+    assert all(r.status != "ok" for r in run.ranks if r.agent == run.ranks[3].agent ^ 1), \
+        [(r.rank, r.agent, r.status) for r in run.ranks]
 
 
 @pytest.mark.parametrize("nnodes", [1, 2])

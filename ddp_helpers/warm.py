@@ -120,7 +120,7 @@ class Zygote:
         self.process: subprocess.Popen | None = None
         self.folder: str | None = None
         self.env: dict[str, str] = {}
-        self.fingerprint: dict[str, str] = {}
+        self.fingerprint: dict = {}  # what the warm process wrote when ready: fingerprints, variables it read
         self._notes_shown: set[str] = set()
 
     @property
@@ -168,10 +168,11 @@ class Zygote:
         or None when it can. `base_env` is the launch's environment without what this cell alone adds."""
         if self.process is not None and self.process.poll() is not None:
             return "the warm process died; it is started again for the next launch", True
-        changed = environment_mismatch(self.env, base_env)
+        read = set(self.fingerprint.get("read_at_import") or ()) if self.fingerprint else None
+        changed = environment_mismatch(self.env, base_env, read)
         if changed:  # the kernel's own environment changed: every later launch would differ too
             return f"{changed}; the warm process is started again with the new environment", True
-        mismatch = environment_mismatch(self.env, launch_env)
+        mismatch = environment_mismatch(self.env, launch_env, read)
         if mismatch:  # this cell's --env: the warm process's modules may have read another value already
             return f"{mismatch} (--env of this cell)", False
         if self.fingerprint and self.fingerprint.get("torch") != torch_fingerprint():

@@ -19,9 +19,10 @@ Rules that keep forking safe (each was a hang or a deadlock in the prototype):
 - the zygote never computes (no thread pool starts) and checks it has exactly one thread before
   every fork; it never initialises CUDA (checked);
 - libraries that read the environment when imported (OpenMP, OpenBLAS, torch's logging, tqdm) saw the
-  zygote's: the launcher launches cold when the launch's environment differs from it in any variable
-  but the per-launch ones (`environment_mismatch`); a forked rank sets torch's thread count from its own
-  OMP_NUM_THREADS, and re-reads TMPDIR (tempfile) and TZ (time.tzset), and takes its client's umask.
+  zygote's: the zygote notes every variable Python code reads while it imports them, and the launcher
+  launches cold when a launch's value of one of those (or of the families native code reads) differs
+  (`environment_mismatch`); a forked rank sets torch's thread count from its own OMP_NUM_THREADS,
+  re-reads TMPDIR (tempfile) and TZ (time.tzset), and takes its client's umask.
 
 Security: the socket lives in a private folder (0700), is itself 0600, and the zygote also checks the
 peer's user id (SO_PEERCRED): nothing else can ask it to run code. It dies with the kernel (parent-death
@@ -70,20 +71,51 @@ def _set_by_torch_to_its_default(key: str, value: str) -> bool:
     return os.path.abspath(value) == os.path.abspath(default_cache_dir())
 
 
-def _compared(env: dict[str, str]) -> dict[str, str]:
+# Read when the pre-imported modules load, where the zygote cannot see it: by native code (OpenMP, BLAS,
+# the allocator, the dynamic loader, the interpreter itself), or by a library scanning the environment for
+# its prefix (tqdm's TQDM_*).
+IMPORT_TIME_ENV_PREFIXES = (
+    "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "LD_", "MALLOC_", "CUDA_", "NCCL_", "PYTHON", "TORCH", "PYTORCH_",
+    "TQDM_", "NPY_", "NUMPY_",
+)
+
+
+class _EnvironmentReads(os._Environ):
+    """os.environ, noting every variable Python code reads (`os.environ[...]`, `.get`, `os.getenv`, `in`)."""
+
+    names: set[str] = set()
+
+    def __getitem__(self, key):
+        _EnvironmentReads.names.add(key)
+        return super().__getitem__(key)
+
+
+def _preimport_noting_environment_reads() -> list[str]:
+    """`_preimport()`, returning the names of the variables read while the modules loaded."""
+    os.environ.__class__ = _EnvironmentReads
+    try:
+        _preimport()
+    finally:
+        os.environ.__class__ = os._Environ
+    return sorted(_EnvironmentReads.names)
+
+
+def _compared(env: dict[str, str], read: set[str] | None) -> dict[str, str]:
     return {key: value for key, value in env.items()
             if key not in RUNTIME_ENV and key not in VOLATILE_ENV and not key.startswith(RUNTIME_ENV_PREFIXES)
+            and (read is None or key in read or key.startswith(IMPORT_TIME_ENV_PREFIXES))
             and not _set_by_torch_to_its_default(key, value)}
 
 
-def environment_mismatch(zygote_env: dict[str, str], launch_env: dict[str, str]) -> str | None:
+def environment_mismatch(zygote_env: dict[str, str], launch_env: dict[str, str],
+                         read: set[str] | None = None) -> str | None:
     """The first variable whose value differs between the warm process and a launch, as a short note, or None.
 
-    Any variable counts, not a list of known ones: the modules the warm process imported (torch, numpy,
-    and what they import: OpenMP, logging, tqdm, tempfile's TMPDIR, ...) read what they read when they
-    loaded, and a warm rank would behave as if it had the warm process's value, where a fresh process
-    reads its own."""
-    ours, theirs = _compared(zygote_env), _compared(launch_env)
+    Only variables the warm process's modules read as they loaded count (`read`: those seen read by Python
+    code, plus the families native code and prefix scans read; None: every variable): a warm rank would
+    behave as if it had the warm process's value of those, where a fresh process reads its own. Any other
+    variable a rank simply finds in its environment."""
+    ours, theirs = _compared(zygote_env, read), _compared(launch_env, read)
     for key in sorted(set(ours) | set(theirs)):
         if ours.get(key) != theirs.get(key):
             return f"{key}={theirs.get(key)!r} differs from the warm process's {ours.get(key)!r}"
@@ -397,10 +429,10 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the loop through the wakeup fd
     zygote = None
     try:
-        _preimport()
+        read_at_import = _preimport_noting_environment_reads()
         zygote = Zygote(folder)
         with open(os.path.join(folder, "ready"), "w") as ready:
-            ready.write(json.dumps(installed_fingerprint()))
+            ready.write(json.dumps({**installed_fingerprint(), "read_at_import": read_at_import}))
         zygote.serve()
     finally:
         if zygote is not None:

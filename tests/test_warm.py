@@ -335,31 +335,39 @@ def test_a_variable_torch_sets_to_its_own_default_keeps_launches_warm():
 
 STARTUP = """
 import os, tempfile, time
+import tqdm
 from ddp_helpers import record
 with open("/proc/self/status") as status:
     umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
 record("seen", {"tmpdir": tempfile.gettempdir(), "timezone": time.timezone, "umask": umask,
-                "custom": os.environ.get("MY_SETTING"), "parent": os.getppid()})
+                "tqdm_disabled": tqdm.tqdm(range(1)).disable, "custom": os.environ.get("MY_SETTING"),
+                "parent": os.getppid()})
 """
 
 
 def test_a_warm_rank_reads_its_environment_at_start_up_as_a_fresh_process(write_script, tmp_path, monkeypatch,
                                                                             capsys):
-    """What a fresh process reads from its environment once (TMPDIR in tempfile, TZ in time, anything a
-    pre-imported library read at import) and inherits (the umask): a cell's --env means a cold launch; a
-    change in the kernel's own environment, one cold launch and a new warm process that has it."""
+    """What a fresh process reads from its environment at start-up (TMPDIR in tempfile, TZ in time, TQDM_*
+    in tqdm, anything a pre-imported library read at import) and inherits (the umask). A variable the warm
+    process read as it imported its modules means a cold launch when a cell's --env sets it, and one cold
+    launch and a new warm process when the kernel's own environment changes it; any other variable, a
+    warm rank just finds in its environment."""
     script = write_script("startup", STARTUP)
     assert prepare_warm_launches()
     capsys.readouterr()
+    plain = run_on_cpu(script, extra_env={"MY_SETTING": "1"})  # read by nothing at import: stays warm
+    assert plain.ok, failure_report(plain)
+    assert plain.facts("seen")[0]["custom"] == "1" and plain.facts("seen")[0]["parent"] == warm._ZYGOTE.process.pid
     (tmp_path / "tmp").mkdir()
-    run = run_on_cpu(script, extra_env={"TMPDIR": str(tmp_path / "tmp"), "MY_SETTING": "1"})
+    run = run_on_cpu(script, extra_env={"TMPDIR": str(tmp_path / "tmp")})
     assert run.ok, failure_report(run)
-    assert all(s["tmpdir"] == str(tmp_path / "tmp") and s["custom"] == "1" for s in run.facts("seen"))
+    assert all(s["tmpdir"] == str(tmp_path / "tmp") for s in run.facts("seen"))
     assert all(s["parent"] != warm._ZYGOTE.process.pid for s in run.facts("seen"))
     assert "(--env of this cell)" in capsys.readouterr().err
     old_umask = os.umask(0o027)
     try:
         monkeypatch.setenv("TZ", "UTC+05")
+        monkeypatch.setenv("TQDM_DISABLE", "1")
         first = run_on_cpu(script)  # the kernel's environment changed: cold, and a new warm process
         assert first.ok, failure_report(first)
         assert "the warm process is started again" in capsys.readouterr().err
@@ -367,7 +375,8 @@ def test_a_warm_rank_reads_its_environment_at_start_up_as_a_fresh_process(write_
         second = run_on_cpu(script)
         assert second.ok, failure_report(second)
         for run in (first, second):
-            assert all(s["timezone"] == 5 * 3600 and s["umask"] == 0o027 for s in run.facts("seen")), run.facts("seen")
+            assert all(s["timezone"] == 5 * 3600 and s["umask"] == 0o027 and s["tqdm_disabled"]
+                       for s in run.facts("seen")), run.facts("seen")
         assert all(s["parent"] == warm._ZYGOTE.process.pid for s in second.facts("seen")), "warm again"
     finally:
         os.umask(old_umask)

@@ -7,19 +7,27 @@ Then it stands in for the worker towards torchrun: it forwards every signal torc
 worker's process group, as torchrun does to its own workers), and exits with the worker's status (or
 dies of the same signal). When the stub dies (SIGKILL), the zygote kills the worker.
 
-When the zygote cannot take the request (gone, or it refuses), the stub becomes the cold worker:
+When the zygote cannot take the request (gone, refusing, or not answering within ANSWER_TIMEOUT_S:
+stopped with SIGSTOP, say), the stub becomes the cold worker:
 it execs `python -u -m ddp_helpers._bootstrap ...` in place, so the launch still runs, as it would
 without warm launches.
 """
 
 import json
 import os
+import select
 import signal
 import socket
 import struct
 import sys
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# The zygote answers a fork request in milliseconds; one that does not answer in this time is stopped
+# (SIGSTOP) or wedged: the stub runs the worker cold instead.
+ANSWER_TIMEOUT_S = 5
+# After the worker ended, how long the zygote gets to report its status before the stub reads it from the
+# run folder instead.
+STATUS_GRACE_S = 2
 
 
 def _umask() -> int:
@@ -63,6 +71,42 @@ def _read_message(sock: socket.socket) -> dict | None:
     return json.loads(body)
 
 
+def _wait_for_the_end(sock: socket.socket, worker: int) -> dict | None:
+    """The zygote's {"status": ...} once the worker ended; {} when the worker ended and the zygote did not say
+    (it is stopped or wedged: it cannot reap its child); None when the zygote went away."""
+    try:
+        pidfd = os.pidfd_open(worker)  # readable once the worker has exited, reaped or not
+    except (AttributeError, OSError):
+        return _read_message(sock)
+    try:
+        ready, _, _ = select.select([sock, pidfd], [], [])
+        if sock not in ready:
+            ready, _, _ = select.select([sock], [], [], STATUS_GRACE_S)
+            if not ready:
+                return {}
+        return _read_message(sock)
+    finally:
+        os.close(pidfd)
+
+
+def _exit_code_from_the_run_folder() -> int:
+    """How the worker said it ended (the bootstrap writes rankN.exit.json last), else 1."""
+    rank, folder = os.environ.get("RANK", "0"), os.environ.get("DDP_HELPERS_RUN_DIR", "")
+    try:
+        with open(os.path.join(folder, f"rank{rank}.exit.json")) as f:
+            said = json.load(f)
+        if said.get("run_id") == os.environ.get("DDP_HELPERS_RUN_ID"):
+            code = int(said["exit_code"])
+            print(f"[ddp_helpers] the warm process did not report how rank {rank} ended (stopped or wedged); "
+                  f"it said itself: exit code {code}", file=sys.stderr, flush=True)
+            return code
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    print(f"[ddp_helpers] the warm process did not report how rank {rank} ended (stopped or wedged), "
+          "and the rank did not say either", file=sys.stderr, flush=True)
+    return 1
+
+
 def _run_cold(cold_argv: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, "-u", *cold_argv])
 
@@ -73,15 +117,17 @@ def main() -> None:
     request = {"role": "worker", "argv": cold_argv, "env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask()}
     body = json.dumps(request).encode()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(ANSWER_TIMEOUT_S)
     try:
         sock.connect(socket_path)
         socket.send_fds(sock, [struct.pack("!I", len(body)) + body], [0, 1, 2])
         started = _read_message(sock)
-    except OSError:
+    except (OSError, ValueError):  # includes the timeout
         started = None
     if not started or "pid" not in started:
         sock.close()
         _run_cold(cold_argv)
+    sock.settimeout(None)
     worker = started["pid"]
 
     def forward(signum, frame):
@@ -92,9 +138,11 @@ def main() -> None:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
-    ended = _read_message(sock)
-    if ended is None or "status" not in ended:
+    ended = _wait_for_the_end(sock, worker)
+    if ended is None:
         os._exit(1)  # the zygote died under us; its workers died with it
+    if "status" not in ended:
+        os._exit(_exit_code_from_the_run_folder())
     status = ended["status"]
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)

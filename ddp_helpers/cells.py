@@ -90,9 +90,9 @@ def cell_paths(notebook: str, name: str, root: Path | None = None) -> tuple[Path
 def write_cell_script(source: str, script: Path, *, origin: str, name: str) -> Path:
     """Write `source` (compiled by the caller, so that a SyntaxError creates nothing) to `script`, with a
     header saying where it came from."""
-    header = (
-        f"# Generated from {origin}, %%torchrun cell {name!r} - edit the notebook, not this file.\n"
-        f"# Run it yourself: torchrun --nproc-per-node 2 {script.name}\n"
-    )
+    # One line, standing where the cell's `%%torchrun` line stands: line N of the script is line N of the
+    # cell as JupyterLab numbers it, in tracebacks, stack dumps and checkers' hints alike.
+    header = (f"# Generated from {origin}, %%torchrun cell {name!r} - edit the notebook, not this file. "
+              f"Run it yourself: torchrun --nproc-per-node 2 {script.name}\n")
     write_atomically(script, (header + source).encode())
     return script

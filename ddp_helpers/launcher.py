@@ -47,7 +47,7 @@ from .readback import collect_result
 from .result import RunResult
 from .run_folder import AGENT_GPUS_ENV, JOIN_AFTER_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder
 from . import warm
-from .warm import WarmProcess, current_umask, warm_zygote
+from .warm import WarmProcess, current_umask, warm_zygote, what_happened_to_the_warm_process
 
 _STUB = str(Path(__file__).resolve().parent / "_zygote_stub.py")
 # Variables that differ from launch to launch: not part of the warm process's environment.
@@ -197,8 +197,15 @@ def _launch_in(config: LaunchConfig, folder: RunFolder) -> RunResult:
                 time.sleep(_POLL_INTERVAL_S)
         finally:  # normal end, timeout, KeyboardInterrupt (stop button) or any error: nothing of the run survives
             _stop_run(proc, run_id, streamer, folder, config.world_size)
+    returncode = proc.returncode
+    if isinstance(proc, WarmProcess):
+        note = what_happened_to_the_warm_process(proc)
+        if note:
+            print(f"[ddp_helpers] {note}", file=sys.stderr, flush=True)
+        if proc.unreported:  # the supervisor's exit code was lost with the warm process: it is its outcome's
+            returncode = 0 if (folder.read_own_json(folder.path / "outcome.json") or {}).get("succeeded") else 1
     return collect_result(
-        config, folder, returncode=proc.returncode, wall_time_s=time.monotonic() - start,
+        config, folder, returncode=returncode, wall_time_s=time.monotonic() - start,
         timed_out=timed_out,
     )
 

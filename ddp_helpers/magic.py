@@ -15,6 +15,7 @@ a rank failed or that timed out fails the cell, naming the first failing rank an
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 import traceback
@@ -100,7 +101,7 @@ class TorchrunMagics(Magics):
             return
         if not args.out.isidentifier():
             raise UsageError(f"--out must be a Python variable name, got {args.out!r}.")
-        name = args.name or f"cell{self.shell.execution_count}"
+        name = args.name or _default_cell_name(self.shell)
         notebook = notebook_path(self.shell.user_ns)
         try:
             compile(cell, f"<cell {name}>", "exec")
@@ -146,6 +147,17 @@ def _slurm_job(args) -> SlurmJob | None:
     extra = tuple(shlex.split(_unquoted(args.sbatch_args) or ""))
     return SlurmJob(nodes=args.nodes, partition=args.partition, time=args.time, gpus_per_node=args.gpus_per_node,
                     sbatch_args=extra)
+
+
+def _default_cell_name(shell) -> str:
+    """A cell without --name: named after the notebook cell's id, which JupyterLab (and nbclient) send with
+    every execution, so running the cell again reuses its script and run folder instead of adding one per
+    run; else (plain IPython) after the execution count."""
+    parent = shell.get_parent() if hasattr(shell, "get_parent") else None
+    cell_id = str(((parent or {}).get("metadata") or {}).get("cellId") or "")
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", cell_id):
+        return f"cell-{cell_id}"
+    return f"cell{shell.execution_count}"
 
 
 def _variables(assignments: list[str]) -> dict[str, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -27,6 +28,8 @@ from pathlib import Path
 from .zygote import environment_mismatch, packages_fingerprint, torch_fingerprint
 
 COLD_ENV = "DDP_HELPERS_COLD"
+ANSWER_TIMEOUT_S = 10  # the zygote answers in milliseconds; silence this long means it is stopped or wedged
+STATUS_GRACE_S = 2  # after the supervisor exited, how long the zygote gets to report it
 
 
 class WarmProcess:
@@ -36,11 +39,16 @@ class WarmProcess:
         self._conn = conn
         self.pid = pid
         self.returncode: int | None = None
+        self.unreported = False  # it ended, and the zygote (stopped or wedged) never said how
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)  # readable once it has exited, reaped or not
+        except (AttributeError, OSError):
+            self._pidfd = None
 
     @classmethod
     def start(cls, socket_path: str, request: dict, fds: tuple[int, int, int]) -> "WarmProcess":
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.settimeout(30)
+        conn.settimeout(ANSWER_TIMEOUT_S)  # it answers in milliseconds: no answer means stopped or wedged
         try:
             conn.connect(socket_path)
             body = json.dumps(request).encode()
@@ -61,9 +69,25 @@ class WarmProcess:
                 message = _read_message(self._conn)
             except (BlockingIOError, InterruptedError):
                 self._conn.setblocking(True)
-                return None
+                if self._ended_unreported():
+                    self.unreported = True
+                    self.returncode = 1
+                    self._close()
+                return None if self.returncode is None else self.returncode
             self._take(message)
         return self.returncode
+
+    def _ended_unreported(self) -> bool:
+        """The supervisor has exited, and the zygote still says nothing after STATUS_GRACE_S."""
+        if self._pidfd is None or not select.select([self._pidfd], [], [], 0)[0]:
+            return False
+        return not select.select([self._conn], [], [], STATUS_GRACE_S)[0]
+
+    def _close(self) -> None:
+        self._conn.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
@@ -79,7 +103,28 @@ class WarmProcess:
         status = (message or {}).get("status")
         # No message: the zygote died, and the child with it.
         self.returncode = os.waitstatus_to_exitcode(status) if status is not None else -signal.SIGKILL
-        self._conn.close()
+        self._close()
+
+
+def what_happened_to_the_warm_process(supervisor: "WarmProcess") -> str | None:
+    """A note for a run whose warm process failed it midway, or None."""
+    if supervisor.unreported:
+        return ("the warm process stopped answering during the run (stopped with SIGSTOP, or wedged): the ranks' "
+                "exit codes come from what they wrote themselves; the next launch replaces it")
+    zygote = _ZYGOTE.process
+    if supervisor.returncode == -signal.SIGKILL and zygote is not None and zygote.poll() is not None:
+        return (f"the warm process died during the run ({_how_it_ended(zygote.returncode)}), and the run's processes "
+                "with it; the next launch starts a new one")
+    return None
+
+
+def _how_it_ended(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
 
 
 def _read_message(sock: socket.socket) -> dict | None:
@@ -100,6 +145,15 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
             raise OSError("connection closed")
         data += chunk
     return data
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T) or stopped by a tracer (t)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def current_umask() -> int:
@@ -168,6 +222,9 @@ class Zygote:
         or None when it can. `base_env` is the launch's environment without what this cell alone adds."""
         if self.process is not None and self.process.poll() is not None:
             return "the warm process died; it is started again for the next launch", True
+        if self.process is not None and _stopped(self.process.pid):
+            return ("the warm process is stopped (SIGSTOP, or a debugger) and cannot answer; it is replaced by a "
+                    "new one"), True
         read = set(self.fingerprint.get("read_at_import") or ()) if self.fingerprint else None
         changed = environment_mismatch(self.env, base_env, read)
         if changed:  # the kernel's own environment changed: every later launch would differ too
@@ -190,6 +247,7 @@ class Zygote:
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(signal.SIGCONT)  # a stopped one must wake up to clean up
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:

@@ -50,6 +50,9 @@ import time
 from .processes import process_name_for, set_process_name
 from .run_folder import AGENT_PID_ENV, RUN_ID_ENV
 
+# How long a client may take to send its (small) request: the zygote serves one at a time, and the
+# launcher and the stubs give up on it after their own answer timeouts (10 s and 5 s).
+CLIENT_STALL_S = 2
 # How long a supervisor gets to stop its run and sweep when the kernel dies (inside launcher.STOP_BOUND_S).
 SUPERVISOR_STOP_S = 10
 
@@ -313,7 +316,7 @@ class Zygote:
         try:
             if _peer_uid(conn) != os.getuid():
                 raise PermissionError("another user")
-            conn.settimeout(5)  # a client that stalls mid-request must not stall the zygote
+            conn.settimeout(CLIENT_STALL_S)  # a client that stalls mid-request must not stall the zygote
             request, fds = _read_request(conn)
             conn.settimeout(None)
         except (OSError, ValueError):

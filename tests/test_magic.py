@@ -94,6 +94,8 @@ def test_cells_run_on_every_rank_and_failures_fail_the_cell(ipython, tmp_path):
     assert "rank 1 failed first (KeyError" in str(failed.error_in_exec)
     rendered = "\n".join(failed.error_in_exec._render_traceback_())
     assert "raise KeyError('missing column')" in rendered
+    # The cell's own line numbers, as JupyterLab shows them (the %%torchrun line is line 1): raise is line 4.
+    assert re.search(r'oops\.py", line 4\b', rendered), rendered
     assert ipython.user_ns["oops"].first_failure.rank == 1
 
 
@@ -138,3 +140,22 @@ def test_env_values_may_hold_spaces_quoted_as_in_a_shell(ipython):
                       "import os\nfrom ddp_helpers import record\nrecord('env', [os.environ['MSG'], os.environ['WHO']])\n")
     assert result.success, result.error_in_exec
     assert ipython.user_ns["spaced"].facts("env") == [["hello world", "the cell"]] * 2
+
+
+def test_a_cell_without_a_name_is_named_after_its_notebook_cell():
+    # Re-running the same cell must reuse its folder, not add cell12, cell13, ... (JupyterLab and nbclient
+    # send the cell's id with every execution).
+    from ddp_helpers.magic import _default_cell_name
+
+    class Shell:
+        execution_count = 7
+
+        def __init__(self, metadata):
+            self.metadata = metadata
+
+        def get_parent(self):
+            return {"metadata": self.metadata}
+
+    assert _default_cell_name(Shell({"cellId": "3e9a9e5e-1f"})) == "cell-3e9a9e5e-1f"
+    assert _default_cell_name(Shell({})) == "cell7"
+    assert _default_cell_name(Shell({"cellId": "../../etc"})) == "cell7"

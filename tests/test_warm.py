@@ -359,9 +359,19 @@ def test_a_warm_rank_reads_its_environment_at_start_up_as_a_fresh_process(write_
     assert plain.ok, failure_report(plain)
     assert plain.facts("seen")[0]["custom"] == "1" and plain.facts("seen")[0]["parent"] == warm._ZYGOTE.process.pid
     (tmp_path / "tmp").mkdir()
-    run = run_on_cpu(script, extra_env={"TMPDIR": str(tmp_path / "tmp")})
+    run = run_on_cpu(script, extra_env={"TMPDIR": str(tmp_path / "tmp")})  # warm or cold, tempfile sees it
     assert run.ok, failure_report(run)
     assert all(s["tmpdir"] == str(tmp_path / "tmp") for s in run.facts("seen"))
+    # A variable the warm process saw read while it imported its modules: that cell launches cold.
+    from ddp_helpers.zygote import IMPORT_TIME_ENV_PREFIXES
+
+    assert prepare_warm_launches()
+    read = [name for name in warm._ZYGOTE.fingerprint["read_at_import"]
+            if not name.startswith(IMPORT_TIME_ENV_PREFIXES) and name not in ("TMPDIR", "PATH", "HOME")]
+    assert read, "the warm process noted the variables its imports read"
+    capsys.readouterr()
+    run = run_on_cpu(script, extra_env={read[0]: "set by this cell"})
+    assert run.ok, failure_report(run)
     assert all(s["parent"] != warm._ZYGOTE.process.pid for s in run.facts("seen"))
     assert "(--env of this cell)" in capsys.readouterr().err
     old_umask = os.umask(0o027)
@@ -381,5 +391,51 @@ def test_a_warm_rank_reads_its_environment_at_start_up_as_a_fresh_process(write_
     finally:
         os.umask(old_umask)
         monkeypatch.undo()
+        warm._ZYGOTE.stop()
+        assert prepare_warm_launches()
+
+
+def test_a_stopped_warm_process_is_noticed_and_replaced(write_script, capsys):
+    # SIGSTOP before a launch: the launch runs cold at once and a new warm process replaces the stopped one.
+    # SIGSTOP during a run: the run still ends when its ranks do (their exit codes from the run folder).
+    import signal
+    import threading
+    import time
+
+    script = write_script("short", """
+        import os, time
+        from ddp_helpers import record
+        time.sleep(float(os.environ.get("SLEEP_S", "0")))
+        record("parent", os.getppid())
+    """)
+    assert prepare_warm_launches()
+    stopped = warm._ZYGOTE.process
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        capsys.readouterr()
+        run = run_on_cpu(script, timeout_s=60)
+        assert run.ok and run.wall_time_s < 20, failure_report(run)
+        assert "the warm process is stopped" in capsys.readouterr().err
+        assert stopped.poll() is not None, "the stopped warm process is gone"
+        assert prepare_warm_launches() and warm._ZYGOTE.process.pid != stopped.pid
+        zygote = warm._ZYGOTE.process
+        results = []
+        thread = threading.Thread(target=lambda: results.append(
+            run_on_cpu(script, timeout_s=60, stream=False, extra_env={"SLEEP_S": "3"})))
+        thread.start()
+        children = f"/proc/{zygote.pid}/task/{zygote.pid}/children"
+        deadline = time.monotonic() + 30
+        while len(open(children).read().split()) < 3 and time.monotonic() < deadline:  # supervisor and 2 ranks
+            time.sleep(0.05)
+        os.kill(zygote.pid, signal.SIGSTOP)
+        thread.join(timeout=60)
+        run = results[0]
+        assert run.ok and not run.timed_out and run.wall_time_s < 30, failure_report(run)
+        assert run.facts("parent") == [zygote.pid] * 2
+        assert "the warm process stopped answering during the run" in capsys.readouterr().err
+    finally:
+        for process in (stopped, warm._ZYGOTE.process):
+            if process is not None and process.poll() is None:
+                os.kill(process.pid, signal.SIGCONT)
         warm._ZYGOTE.stop()
         assert prepare_warm_launches()

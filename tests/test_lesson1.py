@@ -40,6 +40,21 @@ def test_the_solution_passes(write_script, sources):
     assert report.passed, str(report)
 
 
+def test_a_non_blocking_fix_passes_too(write_script, sources):
+    # irecv posted before the send: as right as reordering (the launcher sees an irecv without its values).
+    nonblocking = sources[0].replace(
+        "    dist.recv(grad, src=1)                    # the gradient of the activation, from stage 1\n"
+        "    dist.send(activation.detach(), dst=1)     # the activation, to stage 1\n",
+        "    pending = dist.irecv(grad, src=1)\n"
+        "    dist.send(activation.detach(), dst=1)\n"
+        "    pending.wait()\n")
+    assert nonblocking != sources[0]
+    run = run_on_cpu(write_script("exercise", nonblocking), stream=False)
+    assert run.ok, failure_report(run)
+    report = check_pipeline_exercise(run)
+    assert report.passed, str(report)
+
+
 def test_a_fix_that_runs_but_never_sends_the_gradient_back_fails(write_script, sources):
     wrong = sources[1].replace("    grad = torch.empty_like(activation)\n", "").replace(
         "    dist.recv(grad, src=1)                    # the gradient of the activation, from stage 1\n", "").replace(

@@ -28,6 +28,10 @@ class RankError:
     time: float
 
 
+# A Slurm job cancelled before it ever ran: its job_state starts with this, then " (Slurm's reason)".
+NEVER_LEFT_THE_QUEUE = "PENDING, never started"
+
+
 @dataclass(frozen=True)
 class RankResult:
     """One rank's part of a run.
@@ -208,7 +212,14 @@ class RunResult:
             f"{len(self.ranks)} rank(s){agents}, backend {self.backend}, {self.wall_time_s:.1f} s{restarted}: "
             + ("all ranks finished" if self.ok else "FAILED")
         ]
-        if self.timed_out:
+        queued = self.job_state.startswith(NEVER_LEFT_THE_QUEUE)
+        if self.timed_out and queued:
+            lines.append(
+                f"Timed out after {self.config.timeout_s:.0f} s while Slurm job {self.job_id} was still waiting in the "
+                f"queue{self.job_state[len(NEVER_LEFT_THE_QUEUE):]}: it never started, no rank ran, and it was "
+                "cancelled. Raise --timeout to wait longer, or ask for fewer nodes, GPUs or less time."
+            )
+        elif self.timed_out:
             lines.append(
                 f"Timed out after {self.config.timeout_s:.0f} s: the ranks were stopped. Stacks of the ranks still "
                 "running are above (look for 'Thread' ... 'most recent call first'): a rank waiting in a collective "
@@ -220,7 +231,7 @@ class RunResult:
             if root.error:
                 lines.append(root.error.traceback.rstrip())
         for r in self.ranks:
-            lines.append(f"  rank {r.rank}: {r.status}")
+            lines.append(f"  rank {r.rank}: {'never started' if queued else r.status}")
             for name, why in r.unreadable_facts.items():
                 lines.append(f"    recorded {name!r} could not be read back: {why}")
         if not self.ok and root is None and not self.timed_out and self.launcher_log:

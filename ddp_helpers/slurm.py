@@ -39,7 +39,7 @@ from .config import (
 from .errors import LaunchError
 from .output import RankOutputStreamer
 from .readback import collect_result
-from .result import RunResult
+from .result import NEVER_LEFT_THE_QUEUE, RunResult
 from .run_folder import RUN_DIR_ENV, RUN_ID_ENV, RunFolder
 
 POLL_INTERVAL_S = 0.5
@@ -198,7 +198,7 @@ def launch_on_slurm(config: LaunchConfig, folder: RunFolder) -> RunResult:
                              stdin=subprocess.DEVNULL, start_new_session=True)
     streamer = RankOutputStreamer(folder, config.world_size, enabled=config.stream,
                                   color=sys.stdout.isatty() or "ipykernel" in sys.modules)
-    timed_out, said, final = False, None, ""
+    timed_out, said, final, queued = False, None, "", ""
     try:
         while True:
             state, detail = job_state(job_id)
@@ -216,6 +216,8 @@ def launch_on_slurm(config: LaunchConfig, folder: RunFolder) -> RunResult:
                                   "The job was cancelled; see `scontrol show partition`.")
             if time.monotonic() - start > config.timeout_s:
                 timed_out = True
+                if state == "PENDING":
+                    queued = f"{NEVER_LEFT_THE_QUEUE} ({detail})" if detail not in ("", "None") else NEVER_LEFT_THE_QUEUE
                 print(f"[ddp_helpers] no result after {config.timeout_s:g} s: cancelling Slurm job {job_id}.",
                       file=sys.stderr, flush=True)
                 break
@@ -229,7 +231,8 @@ def launch_on_slurm(config: LaunchConfig, folder: RunFolder) -> RunResult:
     log_path = config.run_dir / f"slurm-{job_id}.out"
     return collect_result(config, folder, returncode=0 if final == "COMPLETED" else 1,
                           wall_time_s=time.monotonic() - start, timed_out=timed_out,
-                          launcher_log=folder.read_text(log_path), job_state=final or "CANCELLED", job_id=job_id)
+                          launcher_log=folder.read_text(log_path), job_state=final or queued or "CANCELLED",
+                          job_id=job_id)
 
 
 def _guard(kernel_pid: int, job_id: str) -> int:

@@ -133,7 +133,8 @@ class _PatchOnImport:
     warm process imported them already:
     - torch.save(obj, "path") writes through C++, which raises no audit event: it is wrapped so that
       saving to a path raises the "open" event a Python write would;
-    - torch.distributed's send/recv/isend/irecv are logged (`_point_to_point`)."""
+    - torch.distributed's send/recv/isend/irecv are logged (`_point_to_point`);
+    - on this machine's runs, rank 0's job store listens on loopback only."""
 
     def __init__(self, patches: dict):
         self.patches = dict(patches)
@@ -170,6 +171,25 @@ class _PatchOnImport:
                 patch(module)
         if pending:
             sys.meta_path.insert(0, cls(pending))
+
+
+def _keep_rank0_store_on_loopback(rendezvous) -> None:
+    """When the ranks do not share their agent's store (restarts, several agents), rank 0 hosts the job's
+    store (MASTER_ADDR:MASTER_PORT) with a plain TCPStore, which listens on every interface: on this
+    machine's runs (MASTER_ADDR 127.0.0.1) it is handed a socket bound to loopback instead."""
+    create = rendezvous._create_c10d_store
+
+    @functools.wraps(create)
+    def create_on_loopback(hostname, port, rank, world_size, timeout, use_libuv=True):
+        if hostname != "127.0.0.1" or rank != 0 or rendezvous._torchelastic_use_agent_store():
+            return create(hostname, port, rank, world_size, timeout, use_libuv)
+        with socket.create_server(("127.0.0.1", port), backlog=128) as listener:
+            # The store takes over (and closes) the descriptor it is given: it gets a copy.
+            return rendezvous.TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=True,
+                                       timeout=timeout, multi_tenant=True, use_libuv=use_libuv,
+                                       master_listen_fd=os.dup(listener.fileno()))
+
+    rendezvous._create_c10d_store = create_on_loopback
 
 
 def _wrap_torch_save(serialization) -> None:
@@ -252,8 +272,10 @@ def main() -> None:
     observer = WriteObserver(folder) if folder is not None else None
     if observer is not None:
         sys.addaudithook(observer)
-        _PatchOnImport.install({"torch.serialization": _wrap_torch_save,
-                                "torch.distributed.distributed_c10d": _point_to_point.observe})
+        patches = {"torch.serialization": _wrap_torch_save, "torch.distributed.distributed_c10d": _point_to_point.observe}
+        if os.environ.get("GLOO_SOCKET_IFNAME") == "lo":  # a run on this machine (not a cluster's)
+            patches["torch.distributed.rendezvous"] = _keep_rank0_store_on_loopback
+        _PatchOnImport.install(patches)
     sys.path.insert(0, os.path.dirname(script))
 
     exit_code = 0

@@ -5,8 +5,9 @@ the run survives it, and nothing of the user's is touched.
     run = launch(make_launch_config("train.py", nproc=2))
     run.ranks[1].stdout, run.ranks[1].facts["loss"], run.ok
 
-How: the kernel starts `python -m ddp_helpers.supervisor`, which runs torchrun's agent
-(`--standalone`, so the OS picks the rendezvous port and launches never collide) with the caller's own
+How: the kernel starts `python -m ddp_helpers.supervisor`, which runs torchrun's agent (a c10d
+rendezvous on a store the supervisor hosts on loopback and a port the OS picks, so launches never
+collide and nothing listens beyond this machine) with the caller's own
 interpreter, so the ranks see the same packages as the notebook. Each rank runs the script through
 `ddp_helpers._bootstrap`; its output is capped by the supervisor into the run folder and streamed
 here live, prefixed by rank. The run folder (`run_folder.RunFolder`) is claimed for the launch:
@@ -104,10 +105,8 @@ def supervisor_arguments(config: LaunchConfig, parent_pid: int, zygote_socket: s
         worker = ["--no-python", sys.executable, "-S", "-u", _STUB, zygote_socket, *worker]
     return [
         str(parent_pid), str(SHUTDOWN_GRACE_S), "--",
-        # One agent: --standalone (the OS picks the rendezvous port). Several: the supervisor adds a c10d
-        # rendezvous on a store it hosts.
-        *(["--standalone", "--nnodes", "1"] if config.nnodes == 1
-          else ["--nnodes", f"1:{config.nnodes}" if config.join_after else str(config.nnodes)]),
+        # The supervisor adds a c10d rendezvous on a store it hosts, on loopback and a port the OS picks.
+        "--nnodes", f"1:{config.nnodes}" if config.join_after else str(config.nnodes),
         "--nproc-per-node", str(config.nproc),
         "--max-restarts", str(config.max_restarts),
         "--monitor-interval", "0.1",

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import selectors
 import shutil
+import socket
 import signal
 import sys
 import threading
@@ -172,6 +173,32 @@ def _option(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+def keep_agent_stores_on_loopback() -> None:
+    """torchrun's agent hosts the store its workers share (MASTER_ADDR/MASTER_PORT) with a plain TCPStore,
+    which listens on every interface: on this machine's runs (--local-addr 127.0.0.1) host it on loopback."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    create = DynamicRendezvousHandler._create_tcp_store_server
+
+    def create_on_loopback(self, master_addr, master_port):
+        if master_addr != "127.0.0.1":
+            return create(self, master_addr, master_port)
+        return loopback_store(master_port, multi_tenant=True)
+
+    DynamicRendezvousHandler._create_tcp_store_server = create_on_loopback
+
+
+def loopback_store(port: int = 0, multi_tenant: bool = False):
+    """A TCPStore server on 127.0.0.1 (and a port the OS picks, by default). A TCPStore binds every interface
+    unless it is handed a socket already bound; it takes over (and closes) the descriptor it is given: it
+    gets a copy."""
+    from torch.distributed import TCPStore
+
+    with socket.create_server(("127.0.0.1", port), backlog=128) as listener:
+        return TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                        multi_tenant=multi_tenant, master_listen_fd=os.dup(listener.fileno()))
+
+
 def main(argv: list[str]) -> int:
     for signum in STOP_SIGNALS:
         signal.signal(signum, raise_stopped)
@@ -182,28 +209,32 @@ def main(argv: list[str]) -> int:
         return 1  # the kernel died before we were ready: nothing was started
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     os.environ[AGENT_ENV] = "0"
+    keep_agent_stores_on_loopback()  # before the other agents are forked: theirs too
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(float(grace_s)))
     folder = RunFolder.from_environment()
     nnodes = int(_option(torchrun_argv, "--nnodes").split(":")[-1])  # "2", or "1:2" when agents join later
     world_size = int(_option(torchrun_argv, "--nproc-per-node")) * nnodes
     outcome: dict = {"succeeded": False}
-    pipes = watcher = others = None
+    pipes = watcher = others = own_store = None
     try:
         if nnodes > 1:
             others = OtherAgents(folder, nnodes)  # forked first, while this process has a single thread
         pipes = OutputPipes(folder, world_size)
         watcher = DeathWatcher(folder, world_size)
+        # The rendezvous store, hosted here for every agent: its port is chosen by the OS, so launches never
+        # collide, and it is bound to loopback (torchrun's --standalone store listens on every interface).
+        store = loopback_store()
+        port = store.port
+        # last_call_timeout: once the minimum of agents is there, how long to wait for more (default 30 s).
+        torchrun_argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                         "--rdzv-id", os.environ[RUN_ID_ENV], "--rdzv-conf", "is_host=false,last_call_timeout=1",
+                         *torchrun_argv]
+        if others is None:
+            own_store = store  # noqa: F841 - kept (open) for the run
+        else:
+            others.rendezvous_store = store  # the only reference: closed when an agent fails (OtherAgents._reap)
+        del store
         if nnodes > 1:
-            from torch.distributed import TCPStore
-
-            # Hosted here for every agent: its port is chosen by the OS, so launches never collide.
-            store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-            others.rendezvous_store, port = store, store.port
-            del store  # the only reference is the one above: closed when an agent fails (OtherAgents._reap)
-            # last_call_timeout: once the minimum of agents is there, how long to wait for more (default 30 s).
-            torchrun_argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                             "--rdzv-id", os.environ[RUN_ID_ENV], "--rdzv-conf", "is_host=false,last_call_timeout=1",
-                             *torchrun_argv]
             if agent_gpus(0) is not None:
                 os.environ["CUDA_VISIBLE_DEVICES"] = agent_gpus(0)
             if os.environ.get(JOIN_AFTER_ENV):

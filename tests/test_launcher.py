@@ -205,3 +205,47 @@ def test_a_missing_script_launches_nothing(tmp_path):
     with pytest.raises(LaunchError, match="Script not found"):
         make_launch_config(tmp_path / "missing.py", backend="gloo")
     assert list(tmp_path.iterdir()) == []
+
+
+LISTENERS = textwrap.dedent(
+    """
+    import os
+    import torch.distributed as dist
+    from ddp_helpers import record
+
+    def listening(pid):
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+        found = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    fields = line.split()
+                    if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                        found.append(fields[1].rsplit(":", 1)[0])
+        return found
+
+    dist.init_process_group("gloo")
+    dist.barrier()  # every store and connection of the run is up
+    record("listening", {"rank": listening(os.getpid()), "agent": listening(int(os.environ["DDP_HELPERS_AGENT_PID"]))})
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.parametrize("options", [{}, {"max_restarts": 1}, {"nnodes": 2}], ids=["plain", "restarts", "2 agents"])
+def test_nothing_of_a_run_listens_beyond_loopback(write_script, options):
+    # The rendezvous store (hosted by the supervisor), the store the ranks share (hosted by the agent, or by
+    # rank 0 when they do not share it) and gloo's own sockets: read from the socket table during the run.
+    run = run_on_cpu(write_script("listeners", LISTENERS), cold=True, stream=False, **options)
+    assert run.ok, failure_report(run)
+    seen = {(r.rank, where): addresses for r in run.ranks for where, addresses in r.facts["listening"].items()}
+    assert any(seen.values()), "the run's stores should be listening"
+    assert all(a in LOOPBACK_HEX for addresses in seen.values() for a in addresses), seen

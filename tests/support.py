@@ -41,16 +41,17 @@ def listening_ports() -> set[int]:
     return ports
 
 
-# Pasted into scripts: the local addresses of this process's own TCP sockets, from /proc.
+# Pasted into scripts: the local addresses (and states) of a process's own TCP sockets (this one's by
+# default), from /proc.
 OWN_SOCKETS_SOURCE = textwrap.dedent(
     '''
     import os as _os
 
-    def own_tcp_sockets():
+    def own_tcp_sockets(pid="self"):
         inodes = set()
-        for fd in _os.listdir("/proc/self/fd"):
+        for fd in _os.listdir(f"/proc/{pid}/fd"):
             try:
-                target = _os.readlink(f"/proc/self/fd/{fd}")
+                target = _os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
             if target.startswith("socket:["):

@@ -207,29 +207,14 @@ def test_a_missing_script_launches_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-LISTENERS = textwrap.dedent(
+LISTENERS = OWN_SOCKETS_SOURCE + textwrap.dedent(
     """
     import os
     import torch.distributed as dist
     from ddp_helpers import record
 
     def listening(pid):
-        inodes = set()
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-        found = []
-        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            with open(table) as f:
-                for line in f.readlines()[1:]:
-                    fields = line.split()
-                    if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                        found.append(fields[1].rsplit(":", 1)[0])
-        return found
+        return [s["local"] for s in own_tcp_sockets(pid) if s["state"] == "0A"]  # LISTEN
 
     dist.init_process_group("gloo")
     dist.barrier()  # every store and connection of the run is up

@@ -207,7 +207,8 @@ def _judge_resumed(run: RunResult, layouts: dict, report: ExerciseReport) -> Non
         if not resumed.ok:
             error = resumed.first_failure.error if resumed.first_failure else None
             report.mistakes.append(f"a job of {world} rank(s) could not resume from the checkpoint: "
-                                   + (f"{error.type}: {error.message.splitlines()[0][:200]}" if error else resumed.summary()))
+                                   + (f"{error.type}: {(error.message.splitlines() or [''])[0][:200]}" if error
+                                      else resumed.summary()))
             return
         facts = resumed.ranks[0].facts
         wrong = [name for name, p in reference.named_parameters()

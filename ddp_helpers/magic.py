@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+import time
 import traceback
 
 from IPython.core.error import UsageError
@@ -39,6 +40,18 @@ class RunFailedInCell(RunFailed):
         return [self.run.summary(), "", f"{type(self).__name__}: {self}"]
 
 
+class RunStopped(Exception):
+    """The stop button (or an interrupt) ended the run: shown as one line, not a traceback through the
+    launcher. It still fails the cell, so "Run All" stops there as it would."""
+
+    def __init__(self, name: str, seconds: float):
+        super().__init__(f"{name} stopped after {seconds:.1f} s by an interrupt (the stop button): every process of "
+                         "the run has ended, nothing is left running.")
+
+    def _render_traceback_(self) -> list[str]:
+        return [str(self)]
+
+
 @magics_class
 class TorchrunMagics(Magics):
     @magic_arguments()
@@ -48,7 +61,7 @@ class TorchrunMagics(Magics):
     @argument("--backend", default=None,
               help="'nccl' (one GPU per rank, the default with GPUs) or 'gloo' (CPU processes)")
     @argument("--name", default=None,
-              help="name of the script file written for this cell (default: cell<execution count>)")
+              help="name of the script file written for this cell (default: after the notebook cell's id)")
     @argument("--timeout", default=None, type=float,
               help=f"seconds before the run is stopped with a stack dump of every rank (default {DEFAULT_TIMEOUT_S:.0f})")
     @argument("--cwd", default=None,
@@ -125,10 +138,16 @@ class TorchrunMagics(Magics):
                 )
             except LaunchError as error:
                 raise UsageError(str(error)) from None
+            if args.may_fail:
+                print("[ddp_helpers] this cell may fail on purpose (--may-fail): a failure below is expected, shown, "
+                      "and the notebook goes on.", flush=True)
+            started = time.monotonic()
             try:
                 run = launch(config, folder)
             except LaunchError as error:  # e.g. a Slurm job refused
                 raise UsageError(str(error)) from None
+            except KeyboardInterrupt:  # the launcher stopped the run and swept before letting this through
+                raise RunStopped(script.name, time.monotonic() - started) from None
         self.shell.user_ns[args.out] = run
         if not run.ok and args.may_fail:
             print(run.summary() + f"\n(the failure was expected here: --may-fail; result in `{args.out}`)")

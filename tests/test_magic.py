@@ -159,3 +159,31 @@ def test_a_cell_without_a_name_is_named_after_its_notebook_cell():
     assert _default_cell_name(Shell({"cellId": "3e9a9e5e-1f"})) == "cell-3e9a9e5e-1f"
     assert _default_cell_name(Shell({})) == "cell7"
     assert _default_cell_name(Shell({"cellId": "../../etc"})) == "cell7"
+
+
+def test_the_stop_button_ends_the_cell_with_one_line(ipython):
+    # The stop button is an interrupt: the run is stopped and swept, and the learner reads one line that says
+    # so, not a KeyboardInterrupt traceback through the launcher. The cell still fails ("Run All" stops).
+    import _thread
+    import threading
+
+    from ddp_helpers.magic import RunStopped
+
+    timer = threading.Timer(5.0, _thread.interrupt_main)
+    timer.start()
+    try:
+        result = run_cell(ipython, "-n 2 --backend gloo --name sleeper --out sleeper", "import time\ntime.sleep(120)\n")
+    finally:
+        timer.cancel()
+    error = result.error_in_exec
+    assert isinstance(error, RunStopped), error
+    (line,) = error._render_traceback_()
+    assert re.match(r"sleeper\.py stopped after \d+\.\d s by an interrupt .*nothing is left running\.$", line), line
+
+
+def test_a_cell_that_may_fail_says_so_before_it_runs(ipython, capsys):
+    result = run_cell(ipython, "-n 2 --backend gloo --name bound_to_fail --out failing --may-fail",
+                      "raise SystemExit(3)\n")
+    assert result.success
+    shown = capsys.readouterr().out
+    assert shown.index("may fail on purpose (--may-fail)") < shown.index("the failure was expected here")

@@ -79,7 +79,8 @@ def _set_by_torch_to_its_default(key: str, value: str) -> bool:
 # its prefix (tqdm's TQDM_*).
 IMPORT_TIME_ENV_PREFIXES = (
     "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "LD_", "MALLOC_", "CUDA_", "NCCL_", "PYTHON", "TORCH", "PYTORCH_",
-    "TQDM_", "NPY_", "NUMPY_",
+    "TQDM_", "NPY_", "NUMPY_", "LC_", "LANG", "DNNL_", "ONEDNN_", "MKLDNN_", "GLOG_", "KINETO_", "CUBLAS",
+    "CUDNN_", "HIP_", "HSA_", "ROCM_", "ROCR_",
 )
 
 

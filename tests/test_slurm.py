@@ -111,6 +111,19 @@ def test_the_timeout_cancels_the_job_and_leaves_no_process(cluster, write_script
     wait_until(lambda: not processes_left(RUN_ID_ENV, run.run_id), 15, "no process of the job is left")
 
 
+def test_a_job_still_queued_at_the_timeout_says_it_never_started_and_why(cluster, write_script):
+    # --begin holds the job in the queue (reason BeginTime) however idle the cluster is.
+    config = make_launch_config(write_script("who", WHO), slurm=SlurmJob(nodes=2, sbatch_args=("--begin=now+1hour",)),
+                                nproc=2, timeout_s=4, stream=False)
+    run = launch(config)
+    assert run.timed_out and not run.ok
+    assert "BeginTime" in run.job_state, run.job_state
+    summary = run.summary()
+    assert f"while Slurm job {run.job_id} was still waiting in the queue (BeginTime): it never started" in summary
+    assert "rank 0: never started" in summary and "Stacks of the ranks" not in summary
+    assert not cluster.jobs(), "the job must be cancelled"
+
+
 LAUNCHING_PROCESS = textwrap.dedent(
     """
     import sys

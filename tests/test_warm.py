@@ -333,6 +333,16 @@ def test_a_variable_torch_sets_to_its_own_default_keeps_launches_warm():
     assert "TORCHINDUCTOR_CACHE_DIR" in environment_mismatch({}, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/elsewhere"})
 
 
+def test_variables_native_code_reads_at_start_up_count_even_when_no_python_code_read_them():
+    # The interpreter sets its locale from LC_*/LANG, oneDNN and glog read theirs in C: the warm process
+    # cannot see those reads, so the families count whatever Python code was seen reading.
+    from ddp_helpers.zygote import environment_mismatch
+
+    for name in ("LC_ALL", "LANG", "ONEDNN_VERBOSE", "GLOG_minloglevel", "OMP_NUM_THREADS"):
+        assert name in (environment_mismatch({}, {name: "1"}, read=set()) or ""), name
+    assert environment_mismatch({}, {"MY_SETTING": "1"}, read=set()) is None
+
+
 STARTUP = """
 import os, tempfile, time
 import tqdm

@@ -20,16 +20,19 @@ from pathlib import Path
 from IPython.core.displaypub import DisplayPublisher
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+# An instructor's own copy of the course (or a test's notebooks) in place of notebooks/.
+NOTEBOOKS_ENV = "DDP_LESSONS_NOTEBOOKS"
 
 
-def available_lessons(folder: Path = NOTEBOOKS) -> dict[int, Path]:
+def available_lessons(folder: Path | None = None) -> dict[int, Path]:
+    folder = folder or Path(os.environ.get(NOTEBOOKS_ENV) or NOTEBOOKS)
     lessons = {}
     for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
         lessons[int(path.name[:2])] = path
     return lessons
 
 
-def find_lesson(argument: str, folder: Path = NOTEBOOKS) -> Path:
+def find_lesson(argument: str, folder: Path | None = None) -> Path:
     """The notebook of lesson `argument` ("2" or "02"), or SystemExit listing the lessons there are."""
     lessons = available_lessons(folder)
     if re.fullmatch(r"\d{1,2}", argument.strip()) and int(argument) in lessons:

@@ -34,3 +34,16 @@ def ipython():
     shell = get_ipython()
     shell.run_line_magic("load_ext", "ddp_helpers")
     return shell
+
+
+# pytest-xdist (-n 2 --dist loadgroup): tests in one group run one after another on one worker. Every
+# notebook run (nbmake, the browser, launch_lesson.sh) keeps both cores busy for a minute or so, and
+# the lessons time what they show: they run one at a time. The Slurm tests share one cluster.
+SERIAL_GROUPS = {"test_browser.py": "notebooks", "test_launch_lesson.py": "notebooks", "test_slurm.py": "slurm"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        group = "notebooks" if item.path.suffix == ".ipynb" else SERIAL_GROUPS.get(item.path.name)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))

@@ -28,12 +28,19 @@ dist.destroy_process_group()
 
 
 def test_forty_ddp_runs_in_a_row_all_exit_cleanly(write_script):
+    # Two at a time: each run mostly waits on its rendezvous and its interpreters' start-up.
+    from concurrent.futures import ThreadPoolExecutor
+
     script = write_script("small_ddp", SMALL_DDP_SCRIPT)
+
+    def one_run(attempt: int):
+        return attempt, run_on_cpu(script, nproc=2, stream=False, run_dir=script.parent / f"run{attempt}")
+
     failures = []
-    for attempt in range(RUNS):
-        run = run_on_cpu(script, nproc=2, stream=False)
-        if not run.ok:
-            failures.append(f"run {attempt}:\n{failure_report(run)}")
-        else:
-            assert run.facts("done") == [True, True]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for attempt, run in pool.map(one_run, range(RUNS)):
+            if not run.ok:
+                failures.append(f"run {attempt}:\n{failure_report(run)}")
+            else:
+                assert run.facts("done") == [True, True]
     assert not failures, f"{len(failures)} of {RUNS} runs failed:\n" + "\n".join(failures[:2])

@@ -113,8 +113,12 @@ def test_agents_restarts_and_a_killed_rank_from_a_cell(ipython):
     result = run_cell(
         ipython,
         "-n 1 --nnodes 2 --backend gloo --name agents --out agents --max-restarts 1 --kill-rank 1 --kill-after 'ready now'",
-        "import os, time\nprint('ready now' if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' else 'again')\n"
-        "time.sleep(30 if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' else 0)\n",
+        # Rank 1 is killed while rank 0 waits for it in a barrier (a membership change restarts agent 0's
+        # rank without counting: it says 'ready now' again, and only rank 1 sleeps to be killed).
+        "import os, time\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        "again = os.environ['TORCHELASTIC_RESTART_COUNT'] != '0'\nprint('again' if again else 'ready now', flush=True)\n"
+        "if dist.get_rank() == 1 and not again:\n    time.sleep(30)\n"
+        "dist.barrier()\ndist.destroy_process_group()\n",
     )
     assert result.success, result.error_in_exec
     agents = ipython.user_ns["agents"]

@@ -192,40 +192,59 @@ def test_torch_changed_on_disk_means_a_cold_launch_and_a_new_warm_process(probe,
     assert prepare_warm_launches() and warm._ZYGOTE.process.pid != old_pid
 
 
-def test_a_package_installed_after_the_warm_process_started_is_importable(write_script, tmp_path, capsys):
-    # As `%pip install -e ./mylib` does: a .pth file in site-packages naming the package's folder. Only a
-    # process started after it reads it.
+PACKAGE_INSTALLED_LATER = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    from ddp_helpers import launch, make_launch_config, warm
+    from ddp_helpers.config import Hardware
+    from ddp_helpers.launcher import prepare_warm_launches
+
+    script, pth, package_folder = sys.argv[1:]
+    run = lambda: launch(make_launch_config(script, nproc=2, backend="gloo", hardware=Hardware(()), stream=False))
+    assert prepare_warm_launches()
+    Path(pth).write_text(package_folder + "\\n")  # as `%pip install -e ./mylib` does
+    first = run()
+    assert first.ok, first.summary()
+    assert [answer for answer, _ in first.facts("seen")] == [42, 42]
+    assert prepare_warm_launches()
+    again = run()  # the new warm process read the .pth file: warm again
+    assert again.ok, again.summary()
+    assert again.facts("seen") == [[42, warm._ZYGOTE.process.pid]] * 2, (again.facts("seen"), warm._ZYGOTE.process.pid)
+    print("both runs saw the package")
+    """
+)
+
+
+def test_a_package_installed_after_the_warm_process_started_is_importable(write_script, tmp_path):
+    # A .pth file in site-packages naming the package's folder: only a process started after it reads it.
+    # In an environment of its own (this project's packages reached through a .pth file), so that the other
+    # test worker's warm process never sees site-packages change.
     import site
+    import subprocess
+    import sys
     import uuid
 
+    environment = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(environment)], check=True)
+    private_site = next(environment.glob("lib/python*/site-packages"))
+    (private_site / "project.pth").write_text(f"import site; site.addsitedir({site.getsitepackages()[0]!r})\n")
     name = f"mylib_{uuid.uuid4().hex[:8]}"
     (tmp_path / "mylib").mkdir()
     (tmp_path / "mylib" / f"{name}.py").write_text("ANSWER = 42\n")
-    pth = os.path.join(site.getsitepackages()[0], f"__editable__{name}.pth")
     script = write_script("uses_mylib", f"""
         import os
         import {name}
         from ddp_helpers import record
         record("seen", [{name}.ANSWER, os.getppid()])
     """)
-    assert prepare_warm_launches()
-    capsys.readouterr()
-    try:
-        with open(pth, "w") as f:
-            f.write(str(tmp_path / "mylib") + "\n")
-        run = run_on_cpu(script)
-        assert run.ok, failure_report(run)
-        assert [answer for answer, _ in run.facts("seen")] == [42, 42]
-        assert "packages were installed or removed" in capsys.readouterr().err
-        assert prepare_warm_launches()
-        new_pid = warm._ZYGOTE.process.pid
-        again = run_on_cpu(script)  # the new warm process reads the .pth file: warm again
-        assert again.ok, failure_report(again)
-        assert again.facts("seen") == [[42, new_pid]] * 2
-    finally:
-        os.remove(pth)
-        warm._ZYGOTE.stop()  # site-packages changed again: start the next tests with a current warm process
-        assert prepare_warm_launches()
+    driver = write_script("driver", PACKAGE_INSTALLED_LATER)
+    done = subprocess.run([str(environment / "bin" / "python"), str(driver), str(script),
+                           str(private_site / f"__editable__{name}.pth"), str(tmp_path / "mylib")],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "both runs saw the package" in done.stdout
+    assert "packages were installed or removed" in done.stderr
 
 
 def test_two_sigterms_to_the_warm_process_leave_nothing_behind(write_script):

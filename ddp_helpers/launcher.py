@@ -42,7 +42,7 @@ import uuid
 from pathlib import Path
 
 from .config import LaunchConfig, inherited_environment
-from .output import RankOutputStreamer, TextInFile
+from .output import RankOutputStreamer, TextInFile, show_failures_once
 from .processes import kill_marked, kill_process_groups, process_is_dead, stop_process_group
 from .readback import collect_result
 from .result import RunResult
@@ -203,10 +203,12 @@ def _launch_in(config: LaunchConfig, folder: RunFolder) -> RunResult:
             print(f"[ddp_helpers] {note}", file=sys.stderr, flush=True)
         if proc.unreported:  # the supervisor's exit code was lost with the warm process: it is its outcome's
             returncode = 0 if (folder.read_own_json(folder.path / "outcome.json") or {}).get("succeeded") else 1
-    return collect_result(
+    result = collect_result(
         config, folder, returncode=returncode, wall_time_s=time.monotonic() - start,
         timed_out=timed_out,
     )
+    show_failures_once(streamer, result)
+    return result
 
 
 class RankKiller:

@@ -37,7 +37,7 @@ class RunFailedInCell(RunFailed):
     """RunFailed, shown in the notebook as the run's summary rather than a traceback through this module."""
 
     def _render_traceback_(self) -> list[str]:
-        return [self.run.summary(), "", f"{type(self).__name__}: {self}"]
+        return [self.run.summary()]  # its first line ends in FAILED and names the root cause; no traceback
 
 
 class RunStopped(Exception):

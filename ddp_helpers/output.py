@@ -4,7 +4,10 @@ output files into the notebook, line by line, each line prefixed by its rank."""
 from __future__ import annotations
 
 import sys
+
+from .result import RunResult, error_line
 from .run_folder import RunFolder
+from .stacks import fold_stack
 
 # matplotlib's tab10 colours, in order: rank r is drawn in RANK_COLORS[r % 10] in every plot.
 RANK_COLORS = (
@@ -61,18 +64,23 @@ class TextInFile:
 class RankOutputStreamer:
     """Follows every rank's stdout/stderr file and prints complete new lines with a rank prefix.
 
-    Call `poll()` repeatedly while the run is going and `finish()` once at the end (it prints any
-    last line that has no newline)."""
+    Call `poll()` repeatedly while the run is going, `finish()` once at the end (it prints any last line
+    that has no newline, and the folded stack dumps of a timed-out run), then `show_failures()` with the
+    run's root cause: a rank's traceback is held back until then, so that it shows once."""
 
     def __init__(self, folder: RunFolder, nproc: int, enabled: bool = True, color: bool = True):
-        # "stack": the stack dump a rank writes when a timed-out run asks for it; shown as stderr.
         self._sources = [
-            (rank, kind, folder.rank_file(rank, kind)) for rank in range(nproc) for kind in ("stdout", "stderr", "stack")
+            (rank, kind, folder.rank_file(rank, kind)) for rank in range(nproc) for kind in ("stdout", "stderr")
         ]
+        # The stack dump a rank writes when a timed-out run asks for it: shown folded, once, at the end.
+        self._stacks = {rank: folder.rank_file(rank, "stack") for rank in range(nproc)}
         self._offsets = {key[:2]: 0 for key in self._sources}
         self._partial = {key[:2]: b"" for key in self._sources}
         self._enabled = enabled
         self._color = color
+        # A rank's traceback, from its "Traceback" line on, is held back until the run's root cause is known
+        # (`show_failures`): shown whole for the rank that failed first, as one line for the others.
+        self._held: dict[int, list[bytes]] = {}
 
     def poll(self) -> None:
         for rank, kind, path in self._sources:
@@ -95,11 +103,54 @@ class RankOutputStreamer:
             if rest:
                 self._emit(rank, kind, [rest])
                 self._partial[rank, kind] = b""
+        for rank, path in self._stacks.items():
+            try:
+                dump = path.read_text(errors="replace")
+            except OSError:
+                continue
+            if dump.strip():
+                self._write(rank, "stderr", [line.encode() for line in _folded(rank, dump)])
+
+    def show_failures(self, root: int | None, one_line: dict[int, str]) -> None:
+        """Print the held tracebacks: `root`'s whole (every one whole when no rank is the root cause), each
+        other rank's as its `one_line[rank]`, a consequence of the root's failure."""
+        held, self._held = self._held, {}
+        for rank, lines in sorted(held.items(), key=lambda item: item[0] != root):  # the root cause first
+            if root is None or rank == root or rank not in one_line:
+                self._write(rank, "stderr", lines)
+            else:
+                self._write(rank, "stderr", [f"{one_line[rank]}  (a consequence of rank {root}'s failure; its "
+                                             f"traceback is in run.ranks[{rank}].stderr)".encode()])
 
     def _emit(self, rank: int, kind: str, lines: list[bytes]) -> None:
+        if kind == "stdout" and lines and rank in self._held:  # the rank went on (a restart): show what it held
+            self._write(rank, "stderr", self._held.pop(rank))
+        if kind == "stderr":
+            for index, line in enumerate(lines):
+                if rank in self._held or line.startswith(b"Traceback (most recent call last):"):
+                    self._held.setdefault(rank, []).extend(lines[index:])
+                    lines = lines[:index]
+                    break
+        self._write(rank, kind, lines)
+
+    def _write(self, rank: int, kind: str, lines: list[bytes]) -> None:
         if not self._enabled or not lines:
             return
         stream = sys.stdout if kind == "stdout" else sys.stderr
         prefix = rank_prefix(rank, self._color)
         stream.write("".join(f"{prefix} {line.decode(errors='replace')}\n" for line in lines))
         stream.flush()
+
+
+def _folded(rank: int, dump: str) -> list[str]:
+    shown, folded = fold_stack(dump)
+    if not shown:  # no frame of the learner's code at all (the script had not started): show it whole
+        return [f"where rank {rank} was when the run timed out (not yet in your script):", *dump.splitlines()]
+    return [f"where rank {rank} was when the run timed out (your code, innermost call first; {folded} frames of "
+            f"torch, Python and ddp_helpers folded, all kept in run.ranks[{rank}].stderr):", *shown]
+
+
+def show_failures_once(streamer: RankOutputStreamer, run: RunResult) -> None:
+    """The run's tracebacks, once: the root cause's whole, the others' as a line each."""
+    root = run.first_failure
+    streamer.show_failures(root.rank if root else None, {r.rank: error_line(r) for r in run.ranks if r.error})

@@ -221,17 +221,22 @@ class RunResult:
             )
         elif self.timed_out:
             lines.append(
-                f"Timed out after {self.config.timeout_s:.0f} s: the ranks were stopped. Stacks of the ranks still "
-                "running are above (look for 'Thread' ... 'most recent call first'): a rank waiting in a collective "
+                f"Timed out after {self.config.timeout_s:.0f} s: the ranks were stopped. Where each rank still "
+                "running was is shown above ('where rank N was'): a rank waiting in a collective "
                 "that another rank never called is the usual cause. Raise --timeout if the work is just slow."
             )
         root = self.first_failure
         if root is not None:
-            lines.append(f"Rank {root.rank} failed first: {_failure_reason(root)}")
-            if root.error:
+            lines.append(f"Rank {root.rank} failed first, the root cause: {_failure_reason(root)}")
+            if root.error and self.config.stream:
+                lines.append(f"(its traceback is above, under [rank {root.rank}])")
+            elif root.error:
                 lines.append(root.error.traceback.rstrip())
         for r in self.ranks:
-            lines.append(f"  rank {r.rank}: {'never started' if queued else r.status}")
+            consequence = ""
+            if root is not None and r is not root and r.error is not None:
+                consequence = f": {error_line(r)}, a consequence of rank {root.rank}'s failure"
+            lines.append(f"  rank {r.rank}: {'never started' if queued else r.status}{consequence}")
             for name, why in r.unreadable_facts.items():
                 lines.append(f"    recorded {name!r} could not be read back: {why}")
         if not self.ok and root is None and not self.timed_out and self.launcher_log:
@@ -242,6 +247,13 @@ class RunResult:
         if not self.ok:
             raise RunFailed(self)
         return self
+
+
+def error_line(rank: RankResult) -> str:
+    """A rank's exception as one line of at most 200 characters."""
+    message = (rank.error.message.strip().splitlines() or [""])[0]
+    line = f"{rank.error.type}: {message}" if message else rank.error.type
+    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def _failure_reason(rank: RankResult) -> str:

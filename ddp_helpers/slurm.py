@@ -37,7 +37,7 @@ from .config import (
     DEFAULT_CPU_NPROC, MAX_SLURM_NODES, LaunchConfig, SlurmJob, default_run_dir, parse_nproc,
 )
 from .errors import LaunchError
-from .output import RankOutputStreamer
+from .output import RankOutputStreamer, show_failures_once
 from .readback import collect_result
 from .result import NEVER_LEFT_THE_QUEUE, RunResult
 from .run_folder import RUN_DIR_ENV, RUN_ID_ENV, RunFolder
@@ -229,10 +229,12 @@ def launch_on_slurm(config: LaunchConfig, folder: RunFolder) -> RunResult:
         guard.wait()
         streamer.finish()
     log_path = config.run_dir / f"slurm-{job_id}.out"
-    return collect_result(config, folder, returncode=0 if final == "COMPLETED" else 1,
-                          wall_time_s=time.monotonic() - start, timed_out=timed_out,
-                          launcher_log=folder.read_text(log_path), job_state=final or queued or "CANCELLED",
-                          job_id=job_id)
+    result = collect_result(config, folder, returncode=0 if final == "COMPLETED" else 1,
+                            wall_time_s=time.monotonic() - start, timed_out=timed_out,
+                            launcher_log=folder.read_text(log_path), job_state=final or queued or "CANCELLED",
+                            job_id=job_id)
+    show_failures_once(streamer, result)
+    return result
 
 
 def _guard(kernel_pid: int, job_id: str) -> int:

@@ -170,7 +170,7 @@ def prompts_js(body: str) -> str:
     ).replace("PANEL", PANEL)
 
 
-def run_all_cells(page, timeout_s: float = 180) -> None:
+def run_all_cells(page, timeout_s: float = 240) -> None:
     """Run All, then wait until every code cell has an execution count, or an error appears.
 
     A kernel that is still connecting can drop some or all of a Run All (seen on fresh environments:
@@ -182,7 +182,9 @@ def run_all_cells(page, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     requests, stalled_since = 0, time.monotonic()
     while True:
-        if requests == 0 or (requests < 4 and time.monotonic() - stalled_since > 15):
+        ran = state["total"] - state["unrun"] - state["running"] if requests else 0
+        # Ask again only while at most the first cell ran: asking once cells have run would run them twice.
+        if requests == 0 or (requests < 4 and ran <= 1 and time.monotonic() - stalled_since > 15):
             page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
             page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
             requests, stalled_since = requests + 1, time.monotonic()

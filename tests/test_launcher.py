@@ -125,11 +125,11 @@ def test_a_failing_rank_is_named_with_its_traceback_and_the_others_stop(write_sc
     assert run.wall_time_s < 45
     assert [r.status for r in run.ranks] == ["stopped (SIGTERM)", "failed (exit code 1)", "stopped (SIGTERM)"]
     assert [r.exit_code for r in run.ranks] == [-15, 1, -15]
-    assert "Rank 1 failed first: ValueError: bad batch on rank 1" in run.summary()
+    assert "Rank 1 failed first, the root cause: ValueError: bad batch on rank 1" in run.summary()
     assert processes_left("TEST_MARK", marker) == []
 
 
-def test_a_hang_times_out_with_a_stack_dump_per_rank(write_script):
+def test_a_hang_times_out_with_a_stack_dump_per_rank(write_script, capsys):
     marker = uuid.uuid4().hex
     script = write_script(
         "hangs",
@@ -144,8 +144,17 @@ def test_a_hang_times_out_with_a_stack_dump_per_rank(write_script):
             time.sleep(300)
         """,
     )
+    capsys.readouterr()
     run = run_on_cpu(script, nproc=2, timeout_s=8, extra_env={"TEST_MARK": marker})
     assert run.timed_out and not run.ok
+    # What the learner sees: their own frames (the cell's line numbers) and the collective each waits in;
+    # the zygote's, the bootstrap's and runpy's frames are folded, and every dump is still in stderr.
+    shown = capsys.readouterr().err
+    assert '[rank 0]   File "hangs.py", line 7 in <module>' in shown, shown
+    assert "[rank 0]   waiting in torch.distributed.all_reduce" in shown, shown
+    assert '[rank 1]   File "hangs.py", line 9 in <module>' in shown, shown
+    assert "frames of torch, Python and ddp_helpers folded" in shown
+    assert "_bootstrap" not in shown and "runpy" not in shown and "c10d_logger" not in shown, shown
     assert run.wall_time_s < 30
     stuck_in = {0: "in all_reduce", 1: "hangs.py\", line 9"}
     for r in run.ranks:

@@ -71,7 +71,7 @@ def test_a_syntax_error_is_shown_with_its_line_and_nothing_is_written(ipython, t
     assert not (tmp_path / "runs").exists()
 
 
-def test_cells_run_on_every_rank_and_failures_fail_the_cell(ipython, tmp_path):
+def test_cells_run_on_every_rank_and_failures_fail_the_cell(ipython, tmp_path, capsys):
     """One successful and one failing cell, sharing a shell: the script file, --out, and the failure."""
     ok = run_cell(
         ipython,
@@ -85,18 +85,32 @@ def test_cells_run_on_every_rank_and_failures_fail_the_cell(ipython, tmp_path):
     script = tmp_path / "runs" / "notebook" / "scripts" / "greet" / "greet.py"
     assert script.read_text().startswith("# Generated from notebook.ipynb, %%torchrun cell 'greet'")
 
+    capsys.readouterr()
     failed = run_cell(
         ipython,
         "-n 2 --backend gloo --name oops --out oops",
-        "import os\nif os.environ['RANK'] == '1':\n    raise KeyError('missing column')\n",
+        "import os, torch.distributed as dist\ndist.init_process_group('gloo')\nif os.environ['RANK'] == '1':\n"
+        "    raise KeyError('missing column')\ndist.barrier()\n",
     )
     assert isinstance(failed.error_in_exec, RunFailed)
     assert "rank 1 failed first (KeyError" in str(failed.error_in_exec)
     rendered = "\n".join(failed.error_in_exec._render_traceback_())
-    assert "raise KeyError('missing column')" in rendered
-    # The cell's own line numbers, as JupyterLab shows them (the %%torchrun line is line 1): raise is line 4.
-    assert re.search(r'oops\.py", line 4\b', rendered), rendered
+    shown = capsys.readouterr()
+    everything = shown.out + shown.err + rendered
+    # The failure once: rank 1's traceback streamed with its prefix, named in the summary as the root cause;
+    # rank 0's error in the barrier (a consequence) folded to one line.
+    assert everything.count("raise KeyError('missing column')") == 1, everything
+    assert "Rank 1 failed first, the root cause: KeyError: 'missing column'" in rendered
+    assert "(its traceback is above, under [rank 1])" in rendered
+    if ipython.user_ns["oops"].ranks[0].error is not None:  # else torchrun stopped it before it raised
+        assert "a consequence of rank 1's failure" in shown.err, shown.err
+        assert re.search(r"rank 0: .*a consequence of rank 1's failure", rendered), rendered
+        assert shown.err.index("KeyError: 'missing column'") < shown.err.index("a consequence"), shown.err
+    assert everything.count("Traceback (most recent call last)") == 1, everything
+    # The cell's own line numbers, as JupyterLab shows them (the %%torchrun line is line 1): raise is line 5.
+    assert re.search(r'oops\.py", line 5\b', shown.err), shown.err
     assert ipython.user_ns["oops"].first_failure.rank == 1
+    assert "missing column" in ipython.user_ns["oops"].ranks[1].stderr  # kept whole in the result
 
 
 def test_a_cell_that_may_fail_shows_the_failure_and_the_notebook_goes_on(ipython, capsys):
@@ -104,7 +118,7 @@ def test_a_cell_that_may_fail_shows_the_failure_and_the_notebook_goes_on(ipython
                       "import os\nif os.environ['RANK'] == '1':\n    raise ValueError('the point of the demo')\n")
     assert result.success, result.error_in_exec
     shown = capsys.readouterr().out
-    assert "Rank 1 failed first: ValueError: the point of the demo" in shown
+    assert "Rank 1 failed first, the root cause: ValueError: the point of the demo" in shown
     assert "--may-fail" in shown
     assert ipython.user_ns["demo"].first_failure.rank == 1
 

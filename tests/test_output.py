@@ -60,3 +60,30 @@ def test_text_in_a_growing_file_is_found_also_across_two_reads(tmp_path):
     with open(path, "a") as f:
         f.write("one\n")
     assert watch.seen()
+
+
+def test_a_stack_dump_shows_the_learners_frames_and_the_collective_and_folds_the_rest(tmp_path, capsys):
+    import torch
+
+    torch_folder = str(__import__("pathlib").Path(torch.__file__).parent)
+    learner = str(tmp_path / "runs" / "lesson" / "scripts" / "exercise" / "exercise.py")
+    dump = (
+        "Thread 0x00007f00000001 (most recent call first):\n"
+        f'  File "{__import__("threading").__file__}", line 320 in wait\n'
+        f'  File "{torch_folder}/utils/data/_utils/pin_memory.py", line 50 in _pin_memory_loop\n'
+        "\n"
+        "Current thread 0x00007f00000002 (most recent call first):\n"
+        f'  File "{torch_folder}/distributed/distributed_c10d.py", line 2871 in recv\n'
+        f'  File "{torch_folder}/distributed/c10d_logger.py", line 81 in wrapper\n'
+        f'  File "{learner}", line 33 in <module>\n'
+        '  File "<frozen runpy>", line 88 in _run_code\n'
+        f'  File "{__import__("ddp_helpers").__path__[0]}/_bootstrap.py", line 300 in main\n'
+    )
+    rank_file(tmp_path, 1, "stack").write_text(dump)
+    RankOutputStreamer(RunFolder(tmp_path), nproc=2, color=False).finish()
+    assert capsys.readouterr().err.splitlines() == [
+        "[rank 1] where rank 1 was when the run timed out (your code, innermost call first; 5 frames of torch, "
+        "Python and ddp_helpers folded, all kept in run.ranks[1].stderr):",
+        "[rank 1]   waiting in torch.distributed.recv",
+        '[rank 1]   File "exercise.py", line 33 in <module>',
+    ]

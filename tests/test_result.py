@@ -21,14 +21,14 @@ def test_the_first_failure_is_the_earliest_exception_not_the_lowest_rank():
     assert not run.ok
     assert [r.status for r in run.ranks] == ["failed (exit code 1)", "stopped (SIGTERM)", "failed (exit code 1)"]
     assert "rank 2 failed first (ValueError: bad batch)" in str(RunFailed(run))
-    assert run.summary().splitlines()[1] == "Rank 2 failed first: ValueError: bad batch"
+    assert run.summary().splitlines()[1] == "Rank 2 failed first, the root cause: ValueError: bad batch"
 
 
 def test_a_timed_out_run_says_so_and_how_to_read_it():
     run = make_run([RankResult(0, None, "", ""), RankResult(1, None, "", "")], timed_out=True, returncode=None)
     assert run.first_failure is None
     assert "timed out after 60 s" in str(RunFailed(run))
-    assert "Stacks of the ranks still running are above" in run.summary()
+    assert "Where each rank still running was is shown above" in run.summary()
 
 
 def test_a_rank_killed_by_a_signal_is_the_root_cause_of_the_peer_that_noticed_it_first():
@@ -56,5 +56,5 @@ def test_a_slurm_job_that_never_left_the_queue_says_so():
                   job_id="42", job_state=f"{NEVER_LEFT_THE_QUEUE} (Resources)")
     summary = run.summary()
     assert "while Slurm job 42 was still waiting in the queue (Resources): it never started" in summary
-    assert "Stacks of the ranks" not in summary
+    assert "Where each rank still running was" not in summary
     assert "rank 0: never started" in summary and "rank 1: never started" in summary

@@ -120,7 +120,7 @@ def test_a_job_still_queued_at_the_timeout_says_it_never_started_and_why(cluster
     assert "BeginTime" in run.job_state, run.job_state
     summary = run.summary()
     assert f"while Slurm job {run.job_id} was still waiting in the queue (BeginTime): it never started" in summary
-    assert "rank 0: never started" in summary and "Stacks of the ranks" not in summary
+    assert "rank 0: never started" in summary and "Where each rank still running was" not in summary
     assert not cluster.jobs(), "the job must be cancelled"
 
 

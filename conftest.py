@@ -25,6 +25,14 @@ def pytest_itemcollected(item):
         item.add_marker(pytest.mark.slow)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    # The notebook runs are the longest group: first in the queue, so that a worker starts on them at once
+    # while the other takes everything else (xdist hands out groups in collection order).
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None
+               or item.get_closest_marker("xdist_group").args[0] != "notebooks")
+
+
 def pytest_collection_finish(session):
     # On an xdist worker with --dist loadgroup, xdist appends "@group" to a grouped test's id; where it
     # does not (pytest 9.2 with xdist 3.8), the groups would silently run side by side.

@@ -123,8 +123,9 @@ class RankOutputStreamer:
                                              f"traceback is in run.ranks[{rank}].stderr)".encode()])
 
     def _emit(self, rank: int, kind: str, lines: list[bytes]) -> None:
-        if kind == "stdout" and lines and rank in self._held:  # the rank went on (a restart): show what it held
-            self._write(rank, "stderr", self._held.pop(rank))
+        if kind == "stdout" and lines and rank in self._held:  # the rank went on (a restart): its attempt ended so
+            self._write(rank, "stderr", [_last_error_line(self._held.pop(rank)) + b"  (how this attempt ended; the "
+                                         b"traceback is in run.ranks[%d].stderr)" % rank])
         if kind == "stderr":
             for index, line in enumerate(lines):
                 if rank in self._held or line.startswith(b"Traceback (most recent call last):"):
@@ -140,6 +141,14 @@ class RankOutputStreamer:
         prefix = rank_prefix(rank, self._color)
         stream.write("".join(f"{prefix} {line.decode(errors='replace')}\n" for line in lines))
         stream.flush()
+
+
+def _last_error_line(lines: list[bytes]) -> bytes:
+    """The exception line of a held traceback: its last line that is not indented (nor ours)."""
+    for line in reversed(lines):
+        if line.strip() and not line[:1].isspace() and not line.startswith((b"[ddp_helpers]", b"Traceback")):
+            return line if len(line) <= 300 else line[:297] + b"..."
+    return b"the attempt failed"
 
 
 def _folded(rank: int, dump: str) -> list[str]:

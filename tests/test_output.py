@@ -87,3 +87,22 @@ def test_a_stack_dump_shows_the_learners_frames_and_the_collective_and_folds_the
         "[rank 1]   waiting in torch.distributed.recv",
         '[rank 1]   File "exercise.py", line 33 in <module>',
     ]
+
+
+def test_a_traceback_waits_for_the_root_cause_and_an_attempt_that_restarted_shows_one_line(tmp_path, capsys):
+    streamer = RankOutputStreamer(RunFolder(tmp_path), nproc=2, color=False)
+    rank_file(tmp_path, 0, "stderr").write_bytes(b'Traceback (most recent call last):\n  File "a.py", line 3, in <module>\n'
+                                                 b"RuntimeError: Connection closed by peer\n")
+    rank_file(tmp_path, 1, "stderr").write_bytes(b'Traceback (most recent call last):\n  File "a.py", line 5, in <module>\n'
+                                                 b"ValueError: bad batch\n")
+    streamer.poll()
+    assert capsys.readouterr().err == ""  # held until the run's root cause is known
+    rank_file(tmp_path, 0, "stdout").write_bytes(b"attempt 2\n")  # rank 0 restarted: its attempt ended so
+    streamer.poll()
+    assert capsys.readouterr().err == ("[rank 0] RuntimeError: Connection closed by peer  (how this attempt ended; "
+                                       "the traceback is in run.ranks[0].stderr)\n")
+    streamer.finish()
+    streamer.show_failures(1, {1: "ValueError: bad batch"})
+    assert capsys.readouterr().err.splitlines() == [
+        "[rank 1] Traceback (most recent call last):", '[rank 1]   File "a.py", line 5, in <module>',
+        "[rank 1] ValueError: bad batch"]

@@ -22,7 +22,7 @@ import time
 import traceback
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from .cells import cell_paths, notebook_key, notebook_path, write_cell_script
@@ -157,6 +157,33 @@ class TorchrunMagics(Magics):
         print(run.summary().splitlines()[0] + f"  (result in `{args.out}`)")
 
 
+    @line_magic("torchrun")
+    def torchrun_help(self, line: str):
+        """`%torchrun --help` prints the options; code runs on every rank from a `%%torchrun` cell."""
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            words = []
+        if "--help" in words or "-h" in words:
+            print(self.torchrun.parser.format_help())
+            return
+        raise UsageError("%torchrun (one %) only prints the options: %torchrun --help. To run code on every rank, "
+                         "start a cell with %%torchrun (two %) and write the code below that line.")
+
+
+def _help_alone(lines: list[str]) -> list[str]:
+    """An input transformer: a cell that is only `%%torchrun ... --help` (no body, which IPython refuses
+    for a cell magic) prints the help, as the line magic does."""
+    if lines and lines[0].startswith("%%torchrun") and not "".join(lines[1:]).strip():
+        try:
+            words = shlex.split(lines[0][len("%%torchrun"):])
+        except ValueError:
+            return lines
+        if "--help" in words or "-h" in words:
+            return ["%torchrun --help\n"]
+    return lines
+
+
 def _slurm_job(args) -> SlurmJob | None:
     if not args.slurm:
         if args.nodes != 1 or args.partition or args.time or args.gpus_per_node or args.sbatch_args:
@@ -199,3 +226,5 @@ def _unquoted(text: str | None) -> str | None:
 
 def register(ipython) -> None:
     ipython.register_magics(TorchrunMagics)
+    if _help_alone not in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.append(_help_alone)

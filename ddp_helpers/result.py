@@ -138,6 +138,13 @@ def find_root_cause(ranks) -> "RankResult | None":
             r.rank,
         ),
     )
+    if first.error is None and first.exit_code == -signal.SIGTERM:
+        # SIGTERM is how torchrun stops the other ranks once one failed: under load the supervisor can see a
+        # SIGTERMed rank end in the same look as the rank that failed, or first. It yields to that rank.
+        other = [r for r in failed if (r.error is not None or r.exit_code != -signal.SIGTERM)
+                 and ended_at(r) - ended_at(first) <= _PEER_NOTICED_WITHIN_S]
+        if other:
+            first = min(other, key=lambda r: (ended_at(r), r.rank))
     if first.error is not None and any(text in first.error.message for text in _PEER_GONE):
         killed = [r for r in failed if r.error is None and (r.exit_code or 0) < 0 and r.exit_code != -signal.SIGTERM
                   and ended_at(r) - ended_at(first) <= _PEER_NOTICED_WITHIN_S]

@@ -105,7 +105,14 @@ def test_a_killed_rank_is_restarted_and_training_resumes_to_the_same_weights(wri
     killed = run_on_cpu(script, nproc=2, nnodes=nnodes, stream=False, max_restarts=1, kill_rank=1,
                         kill_after="step 4 done")
     assert killed.ok, failure_report(killed)
-    assert killed.restarts == 1 and all(r.restart == 1 for r in killed.ranks)
+    restarts = [(r.rank, r.agent, r.restart, len(r.attempts)) for r in killed.ranks]
+    assert killed.restarts == 1 and all(attempts == 2 for *_, attempts in restarts), restarts
+    # The killed rank's agent counts a restart. The other agent's ranks count one too if they failed first
+    # (their peer was gone), or none if their agent saw the new rendezvous first: torchrun does not count a
+    # membership change as a retry (elastic/agent/server/api.py). Both happen, depending on timing.
+    killed_agent = killed.ranks[1].agent
+    assert all(restart == 1 for _, agent, restart, _ in restarts if agent == killed_agent), restarts
+    assert all(restart in (0, 1) for *_, restart, _ in restarts), restarts
     first, second = killed.ranks[1].attempts
     assert "step 4 done" in first and "step 11 done" not in first
     assert "step 11 done" in second and "step 0 done" not in second, "the second attempt resumes"

@@ -30,6 +30,18 @@ def test_help_lists_the_options_and_launches_nothing(ipython, capsys, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("cell", ["%%torchrun --help", "%%torchrun -h\n\n", "%torchrun --help"])
+def test_help_alone_in_a_cell_or_as_a_line_magic_prints_the_options(ipython, capsys, cell):
+    result = ipython.run_cell(cell)
+    assert result.success, result.error_in_exec or result.error_before_exec
+    assert "--nproc" in capsys.readouterr().out
+
+
+def test_the_line_magic_without_help_says_how_to_run_a_cell(ipython):
+    result = ipython.run_cell("%torchrun -n 2")
+    assert "start a cell with %%torchrun" in str(result.error_in_exec)
+
+
 @pytest.mark.parametrize(
     "line, message",
     [

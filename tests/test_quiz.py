@@ -1,28 +1,26 @@
-"""Lesson 2's quick check, taken from the notebook: where the right answer sits says nothing, and a
-wrong pick never shows the answer."""
+"""The lessons' quick checks: the answers are out of sight of the notebook's cells, where the right
+answer sits says nothing, and a wrong pick never shows the answer."""
 
+import json
 from pathlib import Path
 
-import nbformat
 import pytest
 
-from ddp_helpers import quiz
+from ddp_helpers.lessons import quizzes
 from ddp_helpers.quiz import feedback
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "02_ddp_basics.ipynb"
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("0[1-9]_*.ipynb"))
+QUESTIONS = quizzes.LESSON_2
+EVERY_QUESTION = [q for n in (1, 2, 3, 4) for q in getattr(quizzes, f"LESSON_{n}")]
 
 
-def lesson_questions() -> list[quiz.Question]:
-    cell = next(c.source for c in nbformat.read(NOTEBOOK, as_version=4).cells
-                if c.cell_type == "code" and "show_quiz(" in c.source)
-    captured = []
-    namespace = {}
-    exec(cell.replace("from ddp_helpers.quiz import Question, show_quiz", ""),
-         {"Question": quiz.Question, "show_quiz": captured.extend}, namespace)
-    return captured
-
-
-QUESTIONS = lesson_questions()
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_quiz_cell_shows_no_answer(notebook):
+    cells = ["".join(c["source"]) for c in json.loads(notebook.read_text())["cells"] if c["cell_type"] == "code"]
+    quiz_cells = [c for c in cells if "show_quiz(" in c]
+    assert quiz_cells, f"{notebook.name} has no quiz"
+    for cell in quiz_cells:
+        assert "Question(" not in cell and "from ddp_helpers.lessons.quizzes import" in cell, cell
 
 
 def test_the_quiz_covers_the_lessons_traps():
@@ -34,10 +32,10 @@ def test_the_quiz_covers_the_lessons_traps():
 def test_the_right_answer_moves_around():
     positions = [q.shown_options().index(q.right_option) for q in QUESTIONS]
     assert len(set(positions)) >= 3, positions
-    assert [q.shown_options() for q in QUESTIONS] == [q.shown_options() for q in lesson_questions()], "stable order"
+    assert [q.shown_options() for q in QUESTIONS] == [q.shown_options() for q in QUESTIONS], "stable order"
 
 
-@pytest.mark.parametrize("question", QUESTIONS, ids=lambda q: q.prompt[:40])
+@pytest.mark.parametrize("question", EVERY_QUESTION, ids=lambda q: q.prompt[:40])
 def test_a_wrong_pick_gets_a_hint_not_the_answer(question):
     for option in question.options:
         shown = feedback(question, option)

@@ -58,3 +58,14 @@ def test_a_slurm_job_that_never_left_the_queue_says_so():
     assert "while Slurm job 42 was still waiting in the queue (Resources): it never started" in summary
     assert "Where each rank still running was" not in summary
     assert "rank 0: never started" in summary and "rank 1: never started" in summary
+
+
+def test_a_rank_stopped_by_sigterm_yields_to_the_rank_killed_at_the_same_moment():
+    # Seen under load: the supervisor's death watcher saw rank 0 (SIGTERMed by torchrun) and rank 1
+    # (SIGKILLed, the real cause) dead in the same look; the lower rank won the tie.
+    run = make_run([RankResult(0, -15, "", "", ended_at=5.0), RankResult(1, -9, "", "", ended_at=5.0),
+                    RankResult(2, -15, "", "", ended_at=5.0)])
+    assert run.first_failure.rank == 1
+    # A SIGTERM that came alone, from outside, is still the cause.
+    alone = make_run([RankResult(0, -15, "", "", ended_at=5.0), RankResult(1, 0, "", "")])
+    assert alone.first_failure.rank == 0

@@ -98,11 +98,17 @@ def _judge_snapshots(mine: dict | None, theirs: dict, report: ExerciseReport) ->
                                                  or not torch.equal(mine["model"][name].cpu(), value))]
     if set(mine["model"]) != set(theirs["model"]) or differences:
         largest = max((d for _, d in differences), default=float("nan"))
+        shared = _ranks_share_one_random_state(mine)
         report.mistakes.append(
             f"killed and restarted, the training ended with other weights than the exercise's training without a "
             f"kill (up to {largest:.1e} apart): after the restart the ranks did not go on exactly as they would "
-            "have. Besides the weights and the optimizer, what else decides what a step computes? (The model, the "
-            "data and the seeds must stay as given.)"
+            "have. " + (
+                f"The {shared} random states in your last snapshot are all the same: every rank drew the same "
+                "dropout masks (rank 0's state restored on every rank, or one seed for all). Each rank has its own "
+                "stream: restore this rank's own entry, e.g. snapshot[...][rank]."
+                if shared else
+                "Besides the weights and the optimizer, what else decides what a step computes?"
+            ) + " (The model, the data and the seeds must stay as given.)"
         )
         return
     report.confirmed.append("the final weights are bitwise those of the exercise's training without a kill")
@@ -115,6 +121,30 @@ def _judge_snapshots(mine: dict | None, theirs: dict, report: ExerciseReport) ->
         report.mistakes.append("the optimizer's momentum at the end differs from the training without a kill")
     else:
         report.confirmed.append("and so is the optimizer's momentum")
+
+
+def _ranks_share_one_random_state(snapshot: dict) -> int:
+    """How many CPU random states (torch.get_rng_state()'s bytes, wherever the learner put them) the
+    snapshot holds, when there are several and all are equal; else 0. The exercise seeds each rank
+    differently, so equal states mean the ranks drew the same numbers."""
+    import torch
+
+    size = torch.get_rng_state().numel()
+    found = []
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            if value.dtype == torch.uint8 and value.numel() == size:
+                found.append(value.cpu())
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    walk({key: value for key, value in snapshot.items() if key not in ("model", "optimizer")})
+    return len(found) if len(found) >= 2 and all(torch.equal(found[0], state) for state in found[1:]) else 0
 
 
 def _momentum(snapshot: dict) -> list | None:

@@ -52,3 +52,12 @@ def test_ci_runs_the_readme_test_command():
     test_command = next(c.strip() for c in commands if "run_tests.sh" in c)
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_command in ci
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_solution_that_repeats_the_whole_cell_shows_its_changes_first(notebook):
+    cells = ["".join(c["source"]) for c in json.loads(notebook.read_text())["cells"] if c["cell_type"] == "markdown"]
+    for cell in (c for c in cells if "Show the solution" in c):
+        whole = re.search(r"```python\n%%torchrun", cell)
+        if whole:
+            assert "```diff" in cell[:whole.start()], f"{notebook.name}: show the lines that change before the whole cell"

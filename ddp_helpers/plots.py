@@ -9,7 +9,16 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch
 
-from .output import rank_color
+from .output import RANK_COLORS, rank_color
+
+# Series that are not ranks (strategies, kinds of collective, attempts, world sizes): colours no rank
+# uses, so that a colour always means the same rank across the course.
+SERIES_COLORS = ("#3b3b3b", "#a0a0a0", "#b8860b", "#006d6f", "#6a3d6a", "#8b4513", "#5f7f3f", "#c0a0c0")
+assert not set(SERIES_COLORS) & set(RANK_COLORS)
+
+
+def series_color(index: int) -> str:
+    return SERIES_COLORS[index % len(SERIES_COLORS)]
 
 # Log axes cannot show 0: exact zeros (bitwise equal) are drawn as a short stub at this floor, marked "0".
 _ZERO_FLOOR = 1e-12
@@ -216,9 +225,10 @@ def plot_bars(labels: Sequence[str], values: Sequence[float], title: str, ylabel
     """One bar per label (e.g. bytes communicated per step by each way of splitting), log scale."""
     fig, ax = plt.subplots(figsize=(6, 2.8))
     bars = ax.bar(range(len(labels)), values, color="#7f7f7f")
-    ax.bar_label(bars, [f"{v:,.0f}" for v in values], fontsize=8)
+    ax.bar_label(bars, [f"{v:,.0f}" for v in values], fontsize=8, padding=2)
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_yscale("log")
+    ax.set_ylim(top=max(values) * 4)  # room above the tallest bar for its label
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10, loc="left")
     fig.tight_layout()
@@ -252,20 +262,22 @@ def plot_memory_and_communication(worlds: Sequence[int], largest_share_mib: dict
     width = 0.8 / len(largest_share_mib)
     for i, (strategy, values) in enumerate(largest_share_mib.items()):
         positions = np.arange(len(worlds)) + (i - (len(largest_share_mib) - 1) / 2) * width
-        memory.bar(positions, values, width, label=strategy, color=f"C{i}")
+        memory.bar(positions, values, width, label=strategy, color=series_color(i))
     memory.set_xticks(range(len(worlds)), [f"world {w}" for w in worlds])
     memory.set_ylabel("MiB on the fullest rank")
     memory.set_title("Training state per rank (parameters, gradients, Adam)", fontsize=9)
+    memory.set_ylim(0, max(max(v) for v in largest_share_mib.values()) * 1.3)  # room for the legend
     memory.legend(fontsize=8)
     kinds = sorted({kind for per_kind in received_per_step.values() for kind in per_kind})
     bottoms = np.zeros(len(received_per_step))
     for shade, kind in enumerate(kinds):
         values = np.array([per_kind.get(kind, 0) for per_kind in received_per_step.values()]) / 2**20
-        traffic.bar(range(len(received_per_step)), values, bottom=bottoms, label=kind, color=f"C{shade + 4}")
+        traffic.bar(range(len(received_per_step)), values, bottom=bottoms, label=kind, color=series_color(shade + 2))
         bottoms += values
     traffic.set_xticks(range(len(received_per_step)), list(received_per_step))
     traffic.set_ylabel("MiB received by a rank")
     traffic.set_title("Communication in one step", fontsize=9)
+    traffic.set_ylim(0, bottoms.max() * 1.35)  # the tallest bar stays clear of the frame and the legend
     traffic.legend(fontsize=8)
     fig.tight_layout()
     return fig
@@ -307,7 +319,7 @@ def plot_steps_by_attempt(log: Sequence[dict], reference: Sequence[dict] | None 
                 linewidth=1, label="without a kill")
     for shade, group in enumerate(sorted({e[by] for e in log})):
         mine = [e for e in log if e[by] == group]
-        ax.plot([e["step"] for e in mine], [e[value] for e in mine], "o", markersize=4, color=f"C{shade + 2}",
+        ax.plot([e["step"] for e in mine], [e[value] for e in mine], "o", markersize=4, color=series_color(shade + 2),
                 label=f"{by.replace('_', ' ')} {group}")
     ax.set_xlabel("step")
     ax.set_ylabel(value)

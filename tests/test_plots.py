@@ -46,3 +46,16 @@ def test_output_prefix_uses_the_same_colour_as_the_plots():
     red, green, blue = (int(RANK_COLORS[1][i : i + 2], 16) for i in (1, 3, 5))
     assert f"38;2;{red};{green};{blue}m[rank 1]" in rank_prefix(1)
     assert rank_prefix(1, color=False) == "[rank 1]"
+
+
+def test_series_that_are_not_ranks_use_colours_no_rank_uses_and_bars_leave_room():
+    fig = plots.plot_memory_and_communication([1, 2], {"DDP": [4.0, 4.0], "FSDP": [4.0, 2.0]},
+                                              {"DDP": {"all_reduce": 2**20}, "FSDP": {"all_gather": 2**21}})
+    memory, traffic = fig.axes
+    used = {to_hex(p.get_facecolor()) for ax in (memory, traffic) for p in ax.patches}
+    assert used and not used & set(RANK_COLORS), used
+    assert traffic.get_ylim()[1] > 2.0 * 1.2 and memory.get_ylim()[1] > 4.0 * 1.2
+    fig = plots.plot_steps_by_attempt([{"step": 0, "loss": 1.0, "attempt": 1}, {"step": 1, "loss": 0.5, "attempt": 2}])
+    assert not {to_hex(line.get_color()) for line in fig.axes[0].lines} & set(RANK_COLORS)
+    fig = plots.plot_bars(["a", "b"], [10.0, 65536.0], "bytes", "bytes")
+    assert fig.axes[0].get_ylim()[1] >= 65536.0 * 3, "the tallest bar's label needs room"

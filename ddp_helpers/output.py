@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from .result import RunResult, error_line
-from .run_folder import RunFolder
+from .run_folder import ATTEMPT_MARK, RunFolder
 from .stacks import fold_stack
 
 # matplotlib's tab10 colours, in order: rank r is drawn in RANK_COLORS[r % 10] in every plot.
@@ -123,9 +123,14 @@ class RankOutputStreamer:
                                              f"traceback is in run.ranks[{rank}].stderr)".encode()])
 
     def _emit(self, rank: int, kind: str, lines: list[bytes]) -> None:
-        if kind == "stdout" and lines and rank in self._held:  # the rank went on (a restart): its attempt ended so
-            self._write(rank, "stderr", [_last_error_line(self._held.pop(rank)) + b"  (how this attempt ended; the "
-                                         b"traceback is in run.ranks[%d].stderr)" % rank])
+        if kind == "stdout" and lines and rank in self._held:
+            held = self._held.pop(rank)
+            # A restart: the held traceback is how the attempt ended.
+            if any(line.startswith(ATTEMPT_MARK.encode()) for line in lines):
+                self._write(rank, "stderr", [_last_error_line(held) + b"  (how this attempt ended; the traceback "
+                                             b"is in run.ranks[%d].stderr)" % rank])
+            else:  # the rank went on: a traceback it printed and handled (traceback.print_exc()), shown as it was
+                self._write(rank, "stderr", held)
         if kind == "stderr":
             for index, line in enumerate(lines):
                 if rank in self._held or line.startswith(b"Traceback (most recent call last):"):

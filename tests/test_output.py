@@ -97,7 +97,9 @@ def test_a_traceback_waits_for_the_root_cause_and_an_attempt_that_restarted_show
                                                  b"ValueError: bad batch\n")
     streamer.poll()
     assert capsys.readouterr().err == ""  # held until the run's root cause is known
-    rank_file(tmp_path, 0, "stdout").write_bytes(b"attempt 2\n")  # rank 0 restarted: its attempt ended so
+    from ddp_helpers.run_folder import ATTEMPT_MARK
+
+    rank_file(tmp_path, 0, "stdout").write_bytes(f"{ATTEMPT_MARK} attempt 2 of rank 0 begins\n".encode())  # a restart
     streamer.poll()
     assert capsys.readouterr().err == ("[rank 0] RuntimeError: Connection closed by peer  (how this attempt ended; "
                                        "the traceback is in run.ranks[0].stderr)\n")
@@ -106,3 +108,14 @@ def test_a_traceback_waits_for_the_root_cause_and_an_attempt_that_restarted_show
     assert capsys.readouterr().err.splitlines() == [
         "[rank 1] Traceback (most recent call last):", '[rank 1]   File "a.py", line 5, in <module>',
         "[rank 1] ValueError: bad batch"]
+
+
+def test_a_traceback_a_rank_printed_and_went_on_from_is_shown_as_printed(tmp_path, capsys):
+    streamer = RankOutputStreamer(RunFolder(tmp_path), nproc=1, color=False)
+    rank_file(tmp_path, 0, "stderr").write_bytes(b"Traceback (most recent call last):\nKeyError: 'x'\n")
+    streamer.poll()
+    rank_file(tmp_path, 0, "stdout").write_bytes(b"handled it, going on\n")
+    streamer.poll()
+    shown = capsys.readouterr()
+    assert shown.err == "[rank 0] Traceback (most recent call last):\n[rank 0] KeyError: 'x'\n"
+    assert shown.out == "[rank 0] handled it, going on\n"

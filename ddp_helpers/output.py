@@ -4,6 +4,7 @@ output files into the notebook, line by line, each line prefixed by its rank."""
 from __future__ import annotations
 
 import sys
+import time
 
 from .result import RunResult, error_line
 from .run_folder import ATTEMPT_MARK, RunFolder
@@ -15,6 +16,9 @@ RANK_COLORS = (
     "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
 )
 _RESET = "\x1b[0m"
+# A failing rank's traceback is held back until the run ends and its root cause is known; a run that goes on
+# longer than this after it (a hang, a rank that handled the error) shows it as it is.
+HOLD_TRACEBACK_S = 3.0
 
 
 def rank_color(rank: int) -> str:
@@ -81,6 +85,7 @@ class RankOutputStreamer:
         # A rank's traceback, from its "Traceback" line on, is held back until the run's root cause is known
         # (`show_failures`): shown whole for the rank that failed first, as one line for the others.
         self._held: dict[int, list[bytes]] = {}
+        self._held_since: dict[int, float] = {}
 
     def poll(self) -> None:
         for rank, kind, path in self._sources:
@@ -96,6 +101,10 @@ class RankOutputStreamer:
             *lines, rest = (self._partial[rank, kind] + chunk).split(b"\n")
             self._partial[rank, kind] = rest
             self._emit(rank, kind, [redraw for line in lines for redraw in _redraws(line)])
+        now = time.monotonic()
+        for rank in [r for r, since in self._held_since.items() if now - since > HOLD_TRACEBACK_S]:
+            self._write(rank, "stderr", self._held.pop(rank, []))  # the run goes on: show it as it is
+            del self._held_since[rank]
 
     def finish(self) -> None:
         self.poll()
@@ -114,7 +123,7 @@ class RankOutputStreamer:
     def show_failures(self, root: int | None, one_line: dict[int, str]) -> None:
         """Print the held tracebacks: `root`'s whole (every one whole when no rank is the root cause), each
         other rank's as its `one_line[rank]`, a consequence of the root's failure."""
-        held, self._held = self._held, {}
+        held, self._held, self._held_since = self._held, {}, {}
         for rank, lines in sorted(held.items(), key=lambda item: item[0] != root):  # the root cause first
             if root is None or rank == root or rank not in one_line:
                 self._write(rank, "stderr", lines)
@@ -125,6 +134,7 @@ class RankOutputStreamer:
     def _emit(self, rank: int, kind: str, lines: list[bytes]) -> None:
         if kind == "stdout" and lines and rank in self._held:
             held = self._held.pop(rank)
+            self._held_since.pop(rank, None)
             # A restart: the held traceback is how the attempt ended.
             if any(line.startswith(ATTEMPT_MARK.encode()) for line in lines):
                 self._write(rank, "stderr", [_last_error_line(held) + b"  (how this attempt ended; the traceback "
@@ -134,6 +144,7 @@ class RankOutputStreamer:
         if kind == "stderr":
             for index, line in enumerate(lines):
                 if rank in self._held or line.startswith(b"Traceback (most recent call last):"):
+                    self._held_since.setdefault(rank, time.monotonic())
                     self._held.setdefault(rank, []).extend(lines[index:])
                     lines = lines[:index]
                     break

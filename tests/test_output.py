@@ -119,3 +119,16 @@ def test_a_traceback_a_rank_printed_and_went_on_from_is_shown_as_printed(tmp_pat
     shown = capsys.readouterr()
     assert shown.err == "[rank 0] Traceback (most recent call last):\n[rank 0] KeyError: 'x'\n"
     assert shown.out == "[rank 0] handled it, going on\n"
+
+
+def test_a_held_traceback_shows_as_it_is_once_the_run_goes_on_for_seconds(tmp_path, capsys, monkeypatch):
+    import ddp_helpers.output as output
+
+    monkeypatch.setattr(output, "HOLD_TRACEBACK_S", 0.0)
+    streamer = RankOutputStreamer(RunFolder(tmp_path), nproc=1, color=False)
+    rank_file(tmp_path, 0, "stderr").write_bytes(b"Traceback (most recent call last):\nKeyError: 'x'\n")
+    streamer.poll()
+    streamer.poll()
+    assert capsys.readouterr().err == "[rank 0] Traceback (most recent call last):\n[rank 0] KeyError: 'x'\n"
+    streamer.show_failures(0, {0: "KeyError: 'x'"})
+    assert capsys.readouterr().err == "", "shown once"

@@ -156,15 +156,10 @@ class TorchrunMagics(Magics):
             raise RunFailedInCell(run)
         print(run.summary().splitlines()[0] + f"  (result in `{args.out}`)")
 
-
     @line_magic("torchrun")
     def torchrun_help(self, line: str):
         """`%torchrun --help` prints the options; code runs on every rank from a `%%torchrun` cell."""
-        try:
-            words = shlex.split(line)
-        except ValueError:
-            words = []
-        if "--help" in words or "-h" in words:
+        if _asks_for_help(line):
             print(self.torchrun.parser.format_help())
             return
         raise UsageError("%torchrun (one %) only prints the options: %torchrun --help. To run code on every rank, "
@@ -175,13 +170,18 @@ def _help_alone(lines: list[str]) -> list[str]:
     """An input transformer: a cell that is only `%%torchrun ... --help` (no body, which IPython refuses
     for a cell magic) prints the help, as the line magic does."""
     if lines and lines[0].startswith("%%torchrun") and not "".join(lines[1:]).strip():
-        try:
-            words = shlex.split(lines[0][len("%%torchrun"):])
-        except ValueError:
-            return lines
-        if "--help" in words or "-h" in words:
+        if _asks_for_help(lines[0][len("%%torchrun"):]):
             return ["%torchrun --help\n"]
     return lines
+
+
+def _asks_for_help(options: str) -> bool:
+    """Whether a %torchrun line's options include -h or --help (unbalanced quotes: no)."""
+    try:
+        words = shlex.split(options)
+    except ValueError:
+        return False
+    return "--help" in words or "-h" in words
 
 
 def _slurm_job(args) -> SlurmJob | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass, field
 
 from .result import RunResult, error_line
 from .run_folder import ATTEMPT_MARK, RunFolder
@@ -84,8 +85,7 @@ class RankOutputStreamer:
         self._color = color
         # A rank's traceback, from its "Traceback" line on, is held back until the run's root cause is known
         # (`show_failures`): shown whole for the rank that failed first, as one line for the others.
-        self._held: dict[int, list[bytes]] = {}
-        self._held_since: dict[int, float] = {}
+        self._held: dict[int, _Held] = {}
 
     def poll(self) -> None:
         for rank, kind, path in self._sources:
@@ -102,9 +102,8 @@ class RankOutputStreamer:
             self._partial[rank, kind] = rest
             self._emit(rank, kind, [redraw for line in lines for redraw in _redraws(line)])
         now = time.monotonic()
-        for rank in [r for r, since in self._held_since.items() if now - since > HOLD_TRACEBACK_S]:
-            self._write(rank, "stderr", self._held.pop(rank, []))  # the run goes on: show it as it is
-            del self._held_since[rank]
+        for rank in [r for r, held in self._held.items() if now - held.since > HOLD_TRACEBACK_S]:
+            self._write(rank, "stderr", self._held.pop(rank).lines)  # the run goes on: show it as it is
 
     def finish(self) -> None:
         self.poll()
@@ -123,18 +122,17 @@ class RankOutputStreamer:
     def show_failures(self, root: int | None, one_line: dict[int, str]) -> None:
         """Print the held tracebacks: `root`'s whole (every one whole when no rank is the root cause), each
         other rank's as its `one_line[rank]`, a consequence of the root's failure."""
-        held, self._held, self._held_since = self._held, {}, {}
-        for rank, lines in sorted(held.items(), key=lambda item: item[0] != root):  # the root cause first
+        held, self._held = self._held, {}
+        for rank, traceback in sorted(held.items(), key=lambda item: item[0] != root):  # the root cause first
             if root is None or rank == root or rank not in one_line:
-                self._write(rank, "stderr", lines)
+                self._write(rank, "stderr", traceback.lines)
             else:
                 self._write(rank, "stderr", [f"{one_line[rank]}  (a consequence of rank {root}'s failure; its "
                                              f"traceback is in run.ranks[{rank}].stderr)".encode()])
 
     def _emit(self, rank: int, kind: str, lines: list[bytes]) -> None:
         if kind == "stdout" and lines and rank in self._held:
-            held = self._held.pop(rank)
-            self._held_since.pop(rank, None)
+            held = self._held.pop(rank).lines
             # A restart: the held traceback is how the attempt ended.
             if any(line.startswith(ATTEMPT_MARK.encode()) for line in lines):
                 self._write(rank, "stderr", [_last_error_line(held) + b"  (how this attempt ended; the traceback "
@@ -144,8 +142,7 @@ class RankOutputStreamer:
         if kind == "stderr":
             for index, line in enumerate(lines):
                 if rank in self._held or line.startswith(b"Traceback (most recent call last):"):
-                    self._held_since.setdefault(rank, time.monotonic())
-                    self._held.setdefault(rank, []).extend(lines[index:])
+                    self._held.setdefault(rank, _Held(time.monotonic())).lines.extend(lines[index:])
                     lines = lines[:index]
                     break
         self._write(rank, kind, lines)
@@ -157,6 +154,14 @@ class RankOutputStreamer:
         prefix = rank_prefix(rank, self._color)
         stream.write("".join(f"{prefix} {line.decode(errors='replace')}\n" for line in lines))
         stream.flush()
+
+
+@dataclass
+class _Held:
+    """A rank's traceback held back from the stream: since when, and its lines."""
+
+    since: float
+    lines: list[bytes] = field(default_factory=list)
 
 
 def _last_error_line(lines: list[bytes]) -> bytes:

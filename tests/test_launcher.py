@@ -1,5 +1,6 @@
 """Real torchrun launches on gloo CPU ranks: what a run hands back, and how failures end."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -149,7 +150,7 @@ def test_a_hang_times_out_with_a_stack_dump_per_rank(write_script, capsys):
     assert run.timed_out and not run.ok
     # What the learner sees: their own frames (the cell's line numbers) and the collective each waits in;
     # the zygote's, the bootstrap's and runpy's frames are folded, and every dump is still in stderr.
-    shown = capsys.readouterr().err
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().err)  # without the rank colours, if any
     assert '[rank 0]   File "hangs.py", line 7 in <module>' in shown, shown
     assert "[rank 0]   waiting in torch.distributed.all_reduce" in shown, shown
     assert '[rank 1]   File "hangs.py", line 9 in <module>' in shown, shown

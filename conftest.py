@@ -1,8 +1,86 @@
-"""Test-suite wiring for both test folders (tests/ and the notebooks nbmake collects): which tests run
-one after another under pytest-xdist, and which the quick inner loop leaves out. Fixtures are in
-tests/conftest.py."""
+"""Test-suite wiring for both test folders (tests/ and the notebooks nbmake collects): which course the
+tests run, which tests run one after another under pytest-xdist, and which the quick inner loop leaves
+out. Fixtures are in tests/conftest.py."""
+
+import atexit
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent
+# The folder of notebooks every test runs and checks (nbmake, the browser, the lesson tests): the course
+# as git's index holds it, i.e. what is committed plus what a contributor has `git add`ed. A learner's
+# JupyterLab autosaves outputs and their own edits into notebooks/: those are neither run nor touched.
+COURSE_ENV = "DDP_LESSONS_COURSE_UNDER_TEST"
+
+
+def _staged_notebooks() -> dict[str, str] | None:
+    """{file name: index blob} of notebooks/*.ipynb in git's index; None outside a git checkout."""
+    try:
+        listing = subprocess.run(["git", "ls-files", "-z", "--stage", "--", "notebooks"], cwd=ROOT,
+                                 capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    staged = {}
+    for entry in filter(None, listing.split("\0")):
+        info, path = entry.split("\t", 1)
+        _mode, blob, stage = info.split()
+        if stage == "0" and path.count("/") == 1 and path.endswith(".ipynb"):
+            staged[path.split("/", 1)[1]] = blob
+    return staged
+
+
+def _export_course(folder: Path) -> list[str]:
+    """Writes the course under test into `folder`; returns the notebooks whose working copy differs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    staged = _staged_notebooks()
+    if staged is None:  # a copy without git (an unpacked archive): its files are the course
+        for notebook in (ROOT / "notebooks").glob("*.ipynb"):
+            shutil.copyfile(notebook, folder / notebook.name)
+        return []
+    differ = []
+    for name, blob in staged.items():
+        content = subprocess.run(["git", "cat-file", "blob", blob], cwd=ROOT, capture_output=True, check=True).stdout
+        (folder / name).write_bytes(content)
+        working_copy = ROOT / "notebooks" / name
+        if not working_copy.is_file() or working_copy.read_bytes() != content:
+            differ.append(name)
+    differ += sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb") if p.name not in staged)
+    return differ
+
+
+_differing_notebooks: list[str] = []
+
+
+def pytest_configure(config):
+    global _differing_notebooks
+    if hasattr(config, "workerinput"):
+        return  # an xdist worker: the controller has set both up, and the environment carries them
+    scratch = Path(tempfile.mkdtemp(prefix="ddp-lessons-tests-"))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    os.environ[COURSE_ENV] = str(scratch / "notebooks")
+    _differing_notebooks = _export_course(scratch / "notebooks")
+    # Cells the tests run write their scripts and runs here, never into the learner's runs/.
+    os.environ.setdefault("DDP_HELPERS_RUNS", str(scratch / "runs"))
+
+
+def pytest_report_header(config):
+    if _differing_notebooks:
+        return (f"notebooks: testing the course as committed or staged; not tested, as they differ in your working "
+                f"tree: {', '.join(_differing_notebooks)} (`git add` a notebook to test your edit)")
+    return None
+
+
+def pytest_ignore_collect(collection_path, config):
+    # nbmake collects notebooks/*.ipynb: only those of the course under test (a learner's "Copy1" is not one).
+    if collection_path.suffix == ".ipynb" and collection_path.parent == ROOT / "notebooks":
+        if not (Path(os.environ[COURSE_ENV]) / collection_path.name).is_file():
+            return True
+    return None
 
 # pytest-xdist (-n 2 --dist loadgroup): tests in one group run one after another on one worker. Every
 # notebook run (nbmake, the browser, launch_lesson.sh) keeps both cores busy for a minute or so, and
@@ -17,6 +95,8 @@ SLOW_FILES = {"test_browser.py", "test_slurm.py", "test_exit_abort.py", "test_cl
 
 
 def pytest_itemcollected(item):
+    if getattr(item, "nbmake", False):  # nbmake runs the course under test, in its folder
+        item.filename = str(Path(os.environ[COURSE_ENV]) / item.path.name)
     # Marked as each item is collected: xdist reads the groups in its own pytest_collection_modifyitems.
     group = "notebooks" if item.path.suffix == ".ipynb" else SERIAL_GROUPS.get(item.path.name)
     if group:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import textwrap
 from pathlib import Path
@@ -9,6 +10,16 @@ from pathlib import Path
 from ddp_helpers import launch, make_launch_config
 from ddp_helpers.config import Hardware
 from ddp_helpers.processes import marked_processes
+
+
+def course_notebooks() -> list[Path]:
+    """The course the tests check: the notebooks as git's index holds them, exported by the root conftest.py
+    (never the learner's working copies in notebooks/)."""
+    return sorted(Path(os.environ["DDP_LESSONS_COURSE_UNDER_TEST"]).glob("*.ipynb"))
+
+
+def course_notebook(name: str) -> Path:
+    return Path(os.environ["DDP_LESSONS_COURSE_UNDER_TEST"]) / name
 
 
 def run_on_cpu(script: Path, nproc: int = 2, **options):

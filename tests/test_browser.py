@@ -27,11 +27,12 @@ from pathlib import Path
 import pytest
 
 from ddp_helpers.processes import kill_marked, marked_processes
+from support import course_notebooks
 
 ROOT = Path(__file__).resolve().parent.parent
 # The notebook on screen (other open documents are hidden panels).
 PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = course_notebooks()
 SCREENSHOTS = ROOT / "test-artifacts" / "screenshots"
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -74,9 +75,9 @@ class JupyterLab:
     """A JupyterLab server for the test, with its own settings, runtime folder and marker."""
 
     def __init__(self, scratch: Path):
-        # Serve a copy: JupyterLab autosaves run notebooks, and the committed ones must stay clean.
+        # Serve a copy of the course under test: JupyterLab autosaves the notebooks it runs.
         self.root = scratch / "course"
-        shutil.copytree(ROOT / "notebooks", self.root / "notebooks")
+        shutil.copytree(course_notebooks()[0].parent, self.root / "notebooks")
         self.token = secrets.token_hex(16)
         self.marker = uuid.uuid4().hex
         self.port = free_port()

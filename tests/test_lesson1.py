@@ -10,9 +10,9 @@ import nbformat
 import pytest
 
 from ddp_helpers.lessons.lesson1 import bubble_formula, check_pipeline_exercise, idle_fractions
-from support import failure_report, run_on_cpu
+from support import course_notebook, failure_report, run_on_cpu
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_data_vs_model_parallelism.ipynb"
+NOTEBOOK = course_notebook("01_data_vs_model_parallelism.ipynb")
 
 
 @pytest.fixture(scope="module")

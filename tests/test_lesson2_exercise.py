@@ -9,9 +9,9 @@ import nbformat
 import pytest
 
 from ddp_helpers.lessons.lesson2 import check_training_exercise
-from support import failure_report, run_on_cpu
+from support import course_notebook, failure_report, run_on_cpu
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "02_ddp_basics.ipynb"
+NOTEBOOK = course_notebook("02_ddp_basics.ipynb")
 
 
 def exercise_sources() -> tuple[str, str]:

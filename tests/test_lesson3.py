@@ -10,9 +10,9 @@ import nbformat
 import pytest
 
 from ddp_helpers.lessons.lesson3 import check_checkpoint_exercise
-from support import failure_report, run_on_cpu
+from support import course_notebook, failure_report, run_on_cpu
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "03_syncbn_and_sharded_state.ipynb"
+NOTEBOOK = course_notebook("03_syncbn_and_sharded_state.ipynb")
 GIVEN_SAVE = """if rank == 0:
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, "checkpoint.pt")
 dist.destroy_process_group()

@@ -13,9 +13,9 @@ import pytest
 from ddp_helpers import run_script
 from ddp_helpers.config import detect_hardware
 from ddp_helpers.lessons.lesson4 import check_resume_exercise
-from support import failure_report, run_on_cpu
+from support import course_notebook, failure_report, run_on_cpu
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "04_launching_with_torchrun.ipynb"
+NOTEBOOK = course_notebook("04_launching_with_torchrun.ipynb")
 
 
 def exercise_sources() -> tuple[str, str]:

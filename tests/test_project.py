@@ -1,6 +1,7 @@
 """Project hygiene that CI enforces: clean notebooks, matching dependency lists, README commands."""
 
 import json
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -8,8 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from support import course_notebooks
+
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = course_notebooks()
 
 
 def test_there_are_notebooks():
@@ -61,3 +64,45 @@ def test_a_solution_that_repeats_the_whole_cell_shows_its_changes_first(notebook
         whole = re.search(r"```python\n%%torchrun", cell)
         if whole:
             assert "```diff" in cell[:whole.start()], f"{notebook.name}: show the lines that change before the whole cell"
+
+
+def test_the_tests_run_the_committed_course_not_a_learners_working_copy(tmp_path):
+    # A project of one lesson, committed clean; then JupyterLab-like changes in the working tree: outputs
+    # and an edit that fails, and an untracked copy. The suite must run the committed lesson, and leave
+    # the working copies as they were.
+    import nbformat
+    import subprocess
+    import sys
+
+    project = tmp_path / "project"
+    (project / "notebooks").mkdir(parents=True)
+    (project / "tests").mkdir()
+    for name in ("conftest.py", "pyproject.toml"):
+        (project / name).write_text((ROOT / name).read_text())
+    lesson = project / "notebooks" / "01_lesson.ipynb"
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("answer = 42")])
+    nbformat.write(notebook, lesson)
+    (project / "tests" / "test_probe.py").write_text(
+        "import os, pathlib\n"
+        "def test_probe():\n"
+        "    course = pathlib.Path(os.environ['DDP_LESSONS_COURSE_UNDER_TEST'])\n"
+        "    assert sorted(p.name for p in course.iterdir()) == ['01_lesson.ipynb']\n"
+        "    assert 'answer = 42' in (course / '01_lesson.ipynb').read_text()\n"
+        f"    assert not os.environ['DDP_HELPERS_RUNS'].startswith({str(project)!r})\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(git + ["init", "-q"], cwd=project, check=True)
+    subprocess.run(git + ["add", "-A"], cwd=project, check=True)
+    subprocess.run(git + ["commit", "-qm", "course"], cwd=project, check=True)
+    notebook.cells[0].source = "raise SystemExit('the learner is half-way through this cell')"
+    notebook.cells[0].execution_count = 3
+    notebook.cells[0].outputs = [nbformat.v4.new_output("stream", text="hi\n")]
+    nbformat.write(notebook, lesson)
+    edited = lesson.read_bytes()
+    (project / "notebooks" / "01_lesson-Copy1.ipynb").write_bytes(edited)
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DDP_LESSONS_COURSE_UNDER_TEST", "DDP_HELPERS_RUNS")}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider"], cwd=project,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout + done.stderr
+    assert "differ in your working tree: 01_lesson.ipynb, 01_lesson-Copy1.ipynb" in done.stdout
+    assert lesson.read_bytes() == edited, "the learner's working copy was changed"

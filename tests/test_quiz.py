@@ -2,14 +2,14 @@
 answer sits says nothing, and a wrong pick never shows the answer."""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from ddp_helpers.lessons import quizzes
 from ddp_helpers.quiz import feedback
+from support import course_notebooks
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("0[1-9]_*.ipynb"))
+NOTEBOOKS = [path for path in course_notebooks() if path.name[:2] != "00"]
 QUESTIONS = quizzes.LESSON_2
 EVERY_QUESTION = [q for n in (1, 2, 3, 4) for q in getattr(quizzes, f"LESSON_{n}")]
 

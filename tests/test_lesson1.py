@@ -9,7 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ddp_helpers.lessons.lesson1 import bubble_formula, check_pipeline_exercise, idle_fractions
+from ddp_helpers.lessons.lesson1 import (bubble_formula, check_pipeline_exercise, handoff_cost, idle_fractions,
+                                          idle_with_handoffs)
 from support import course_notebook, failure_report, run_on_cpu
 
 NOTEBOOK = course_notebook("01_data_vs_model_parallelism.ipynb")
@@ -100,3 +101,15 @@ def test_idle_fraction_and_formula():
                 {"pieces": [{"start": 1.0, "end": 2.0}], "total": 2.0}]
     assert idle_fractions(timeline) == [0.5, 0.5]
     assert bubble_formula(2, 1) == 0.5 and bubble_formula(2, 4) == 0.2 and bubble_formula(4, 1) == 0.75
+
+
+def test_hand_offs_are_the_gaps_on_the_pacing_stage_and_add_to_the_formula():
+    # Two micro-batches, f = b = 1: rank 0's forwards 0.5 apart, rank 1's backwards 0.3 apart.
+    piece = lambda kind, start: {"kind": kind, "start": start, "end": start + 1.0}  # noqa: E731
+    timeline = [{"pieces": [piece("forward", 0.0), piece("forward", 1.5), piece("backward", 9.0)], "total": 10.0},
+                {"pieces": [piece("forward", 2.0), piece("backward", 4.0), piece("backward", 5.3)], "total": 10.0}]
+    assert handoff_cost(timeline) == pytest.approx(0.4)
+    assert handoff_cost([{"pieces": [piece("forward", 0.0)]}, {"pieces": [piece("backward", 1.0)]}]) == 0.0
+    assert idle_with_handoffs(4, 1.0, 0.0) == pytest.approx(bubble_formula(2, 4))
+    # m = 8, f + b = 1, o = 0.25: the run lasts 9 + 4 = 13, each stage computes 8 of it.
+    assert idle_with_handoffs(8, 1.0, 0.25) == pytest.approx(5 / 13)

@@ -31,6 +31,29 @@ def bubble_formula(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
+def handoff_cost(timeline: list[dict]) -> float:
+    """The mean time a two-stage pipeline spends outside compute between one micro-batch and the next,
+    on the stage that sets the pace: from one forward to the next on rank 0 (making the input, sending
+    the activation), from one backward to the next on rank 1 (sending the gradient). 0 with one
+    micro-batch (no next one)."""
+    gaps = []
+    for rank, kind in ((0, "forward"), (1, "backward")):
+        pieces = sorted((p for p in timeline[rank]["pieces"] if p["kind"] == kind), key=lambda p: p["start"])
+        gaps += [after["start"] - before["end"] for before, after in zip(pieces, pieces[1:])]
+    return sum(gaps) / len(gaps) if gaps else 0.0
+
+
+def idle_with_handoffs(micro_batches: int, compute: float, handoff: float) -> float:
+    """The idle fraction of a two-stage GPipe run when each micro-batch's hand-off costs `handoff` seconds.
+
+    Each stage computes m (f + b) (`compute` = f + b, one micro-batch's forward and backward on a stage).
+    The run lasts (m + 1)(f + b), the formula's schedule, plus one hand-off per micro-batch on the
+    pacing stage each way: 2 m o. With o = 0 this is (p - 1) / (m + p - 1) for p = 2.
+    """
+    m = micro_batches
+    return 1 - m * compute / ((m + 1) * compute + 2 * m * handoff)
+
+
 def unsplit_model(hidden: int = 64):
     import torch
 

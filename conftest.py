@@ -82,10 +82,12 @@ def pytest_ignore_collect(collection_path, config):
             return True
     return None
 
-# pytest-xdist (-n 2 --dist loadgroup): tests in one group run one after another on one worker. Every
-# notebook run (nbmake, the browser, launch_lesson.sh) keeps both cores busy for a minute or so, and
-# the lessons time what they show: they run one at a time. The Slurm tests share one cluster.
-SERIAL_GROUPS = {"test_browser.py": "notebooks", "test_launch_lesson.py": "notebooks", "test_slurm.py": "slurm"}
+# pytest-xdist (-n 3 --dist loadgroup): tests in one group run one after another on one worker. A
+# notebook run keeps both cores busy for up to a minute, and the lessons time what they show: the nbmake
+# runs go one after another, and so do the browser's (one JupyterLab for all), each chain on a worker of
+# its own while the third takes the rest. The Slurm tests share one cluster.
+SERIAL_GROUPS = {"test_browser.py": "browser", "test_slurm.py": "slurm"}
+CHAINS_FIRST = ("browser", "nbmake")  # the longest chains start first
 
 
 # The quick inner loop, `scripts/run_tests.sh -m "not slow"`, leaves these out: whole notebooks, the
@@ -94,11 +96,15 @@ SLOW_FILES = {"test_browser.py", "test_slurm.py", "test_exit_abort.py", "test_cl
               "test_hostile.py", "test_lesson3.py", "test_lesson4.py"}
 
 
+def _group(item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    return marker.args[0] if marker else None
+
+
 def pytest_itemcollected(item):
     if getattr(item, "nbmake", False):  # nbmake runs the course under test, in its folder
         item.filename = str(Path(os.environ[COURSE_ENV]) / item.path.name)
-    # Marked as each item is collected: xdist reads the groups in its own pytest_collection_modifyitems.
-    group = "notebooks" if item.path.suffix == ".ipynb" else SERIAL_GROUPS.get(item.path.name)
+    group = "nbmake" if item.path.suffix == ".ipynb" else SERIAL_GROUPS.get(item.path.name)
     if group:
         item.add_marker(pytest.mark.xdist_group(group))
     if item.path.suffix == ".ipynb" or item.path.name in SLOW_FILES:
@@ -107,10 +113,9 @@ def pytest_itemcollected(item):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    # The notebook runs are the longest group: first in the queue, so that a worker starts on them at once
-    # while the other takes everything else (xdist hands out groups in collection order).
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None
-               or item.get_closest_marker("xdist_group").args[0] != "notebooks")
+    # xdist hands out groups in collection order: the notebook chains first, so that a worker starts on
+    # each at once while the others take everything else.
+    items.sort(key=lambda item: CHAINS_FIRST.index(_group(item)) if _group(item) in CHAINS_FIRST else len(CHAINS_FIRST))
 
 
 def pytest_collection_finish(session):

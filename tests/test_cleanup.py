@@ -101,8 +101,15 @@ def test_stopping_the_launcher_leaves_nothing_behind(tmp_path, signals, how, nno
     world = range(2 * nnodes)
     try:
         facts = run_dir / "facts"
-        wait_until(lambda: all((facts / f"rank{r}" / "store_port.json").exists() for r in world), 60,
-                   "every rank joined the group and started its children")
+        try:
+            wait_until(lambda: all((facts / f"rank{r}" / "store_port.json").exists() for r in world)
+                       or launcher.poll() is not None, 60, "every rank joined the group and started its children")
+            assert launcher.poll() is None, "the launching process ended before the ranks were up"
+        except AssertionError as error:  # say why: the launcher's and the ranks' own words
+            launcher.kill()
+            ranks_said = "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-2000:]}"
+                                   for p in sorted(run_dir.glob("rank*.std*")) + sorted(run_dir.glob("*.log")))
+            raise AssertionError(f"{error}\n--- launcher ---\n{launcher.communicate()[0]}\n{ranks_said}") from None
         port = json.loads((facts / "rank1" / "store_port.json").read_text())
         children = [pid for r in world for pid in json.loads((facts / f"rank{r}" / "children.json").read_text())]
         ranks = [json.loads((facts / f"rank{r}" / "rank_and_parent.json").read_text()) for r in world]

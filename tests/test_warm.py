@@ -38,6 +38,7 @@ PROBE = textwrap.dedent(
         "default_dtype": str(torch.get_default_dtype()), "parent": os.getppid(), "main": __name__,
         "random": [torch.randn(1).item(), random.random(), float(np.random.rand())],
     })
+    dist.barrier()  # a rank that leaves straight after init can close a pair gloo's peer is still connecting
     dist.destroy_process_group()
     """
 )

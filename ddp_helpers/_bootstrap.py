@@ -4,7 +4,8 @@ Every rank runs the user's script through this tiny wrapper, which
 - exits at once if the torchrun agent is already gone, and otherwise dies with it (parent-death signal),
   so a killed kernel leaves no rank, even one that was just starting;
 - sends the rank's stdout/stderr into the run folder (through the supervisor's capped pipes);
-- dumps every thread's stack on SIGUSR1 into `rankN.stack` (the launcher asks on timeout);
+- dumps every thread's stack on SIGUSR1 into `rankN.stack`, and what it waits in into `rankN.hang.json`
+  when asked through `rankN.hang.request` (the launcher asks both on timeout; `_hang_probe`);
 - records the exception that ended the rank, with its time, so the launcher can name the first failure;
 - notes every file the script opens for writing or renames into place (a Python audit hook), so a
   checker can see who wrote a file instead of trusting what the script says about itself;
@@ -34,7 +35,7 @@ import time
 import traceback
 import types
 
-from . import _point_to_point
+from . import _hang_probe, _point_to_point
 from .processes import die_with_parent
 from .run_folder import AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, RunFolder
 
@@ -123,7 +124,7 @@ class WriteObserver:
         folder, name = os.path.split(full)
         if folder == self.own and (name.startswith((".", "rank")) or name in ("outcome.json", "torchrun.log")):
             return
-        if full.startswith(self.own + os.sep + "facts" + os.sep):
+        if full.startswith((self.own + os.sep + "facts" + os.sep, self.own + os.sep + "flight_recorder" + os.sep)):
             return
         self.paths.add(full)
 
@@ -267,6 +268,8 @@ def main() -> None:
                   f"size {os.environ.get('WORLD_SIZE')})")
         folder.rank_file(rank, "error.json").unlink(missing_ok=True)  # an earlier attempt's, before a restart
         _open_stack_file = open(folder.rank_file(rank, "stack"), "w")
+        if os.environ.get(_hang_probe.OFF_ENV) != "1":
+            _hang_probe.serve(folder, rank)
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, file=_open_stack_file or sys.stderr, all_threads=True)
     observer = WriteObserver(folder) if folder is not None else None

@@ -16,6 +16,10 @@ MAX_CALLS = 1000  # a long pipeline run keeps its first calls only
 MAX_VALUES = 4096  # elements: larger tensors are logged without their values
 
 calls: list[dict] = []
+# The blocking send or recv the script is in right now (None between calls), and how many point-to-point
+# calls it has made: a timed-out run's hang report reads both (the flight recorder does not see gloo's).
+waiting: dict | None = None
+count = 0
 _depth = 0
 
 
@@ -34,17 +38,21 @@ def _peer(args, kwargs, name: str):
 def _logged(op: str, function, values_after: bool):
     @functools.wraps(function)
     def logged(tensor, *args, **kwargs):
-        global _depth
+        global _depth, waiting, count
         if _depth:  # torch's send is built on its isend (recv on irecv): log the call the script made
             return function(tensor, *args, **kwargs)
         peer = _peer((tensor, *args), kwargs, "dst" if "send" in op else "src")
         if len(calls) < MAX_CALLS and not values_after:
             calls.append(_entry(op, tensor, peer, with_values=op.endswith("send")))
         _depth += 1
+        count += 1
+        if op in ("send", "recv"):
+            waiting = {**_entry(op, tensor, peer, with_values=False), "number": count}
         try:
             result = function(tensor, *args, **kwargs)
         finally:
             _depth -= 1
+            waiting = None
         if len(calls) < MAX_CALLS and values_after:
             calls.append(_entry(op, tensor, peer if peer is not None else result, with_values=True))
         return result

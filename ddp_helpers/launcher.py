@@ -47,7 +47,7 @@ from .processes import kill_marked, kill_process_groups, process_is_dead, stop_p
 from .readback import collect_result
 from .result import RunResult
 from .run_folder import AGENT_GPUS_ENV, JOIN_AFTER_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder
-from . import warm
+from . import hang, warm
 from .warm import WarmProcess, current_umask, warm_zygote, what_happened_to_the_warm_process
 
 _STUB = str(Path(__file__).resolve().parent / "_zygote_stub.py")
@@ -62,6 +62,7 @@ _SUPERVISOR_EXTRA_S = 4
 # Every process of a stopped run is gone within this bound (stated in the README; a test holds it).
 STOP_BOUND_S = 15
 STACK_DUMP_WAIT_S = 5.0
+HANG_REPORT_WAIT_S = 3.0  # for the ranks to say what they wait in (a thread of each answers in milliseconds)
 
 
 def child_environment(config: LaunchConfig, run_id: str, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -261,13 +262,22 @@ def _dump_stacks_of_live_ranks(config: LaunchConfig, folder: RunFolder, streamer
         file=sys.stderr,
         flush=True,
     )
+    live = [rank for rank in range(config.world_size)
+            if (pid := folder.rank_pid(rank)) is not None and not process_is_dead(pid)]
+    # First what each rank waits in (a thread of the rank answers), then the stacks: faulthandler reads
+    # other threads' frames unlocked, so the rank's answering thread must be idle again when it dumps.
+    reporting = hang.ask_ranks(folder, live)
+    until = time.monotonic() + HANG_REPORT_WAIT_S
+    while reporting and time.monotonic() < until:
+        streamer.poll()
+        time.sleep(_POLL_INTERVAL_S)
+        if all(folder.rank_file(rank, "hang.json").exists() for rank in reporting):
+            time.sleep(_POLL_INTERVAL_S)  # the thread is back, blocked on its pipe
+            break
     asked = []
-    for rank in range(config.world_size):
-        pid = folder.rank_pid(rank)
-        if pid is None or process_is_dead(pid):
-            continue
+    for rank in live:
         try:
-            os.kill(pid, signal.SIGUSR1)
+            os.kill(folder.rank_pid(rank), signal.SIGUSR1)
             asked.append(rank)
         except (ProcessLookupError, PermissionError):
             pass

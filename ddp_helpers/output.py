@@ -70,8 +70,9 @@ class RankOutputStreamer:
     """Follows every rank's stdout/stderr file and prints complete new lines with a rank prefix.
 
     Call `poll()` repeatedly while the run is going, `finish()` once at the end (it prints any last line
-    that has no newline, and the folded stack dumps of a timed-out run), then `show_failures()` with the
-    run's root cause: a rank's traceback is held back until then, so that it shows once."""
+    that has no newline), then `show_stacks()` (the folded stack dumps of a timed-out run) and
+    `show_failures()` with the run's root cause: a rank's traceback is held back until then, so that it
+    shows once. `show_failures_once` does the last two."""
 
     def __init__(self, folder: RunFolder, nproc: int, enabled: bool = True, color: bool = True):
         self._sources = [
@@ -81,7 +82,7 @@ class RankOutputStreamer:
         self._stacks = {rank: folder.rank_file(rank, "stack") for rank in range(nproc)}
         self._offsets = {key[:2]: 0 for key in self._sources}
         self._partial = {key[:2]: b"" for key in self._sources}
-        self._enabled = enabled
+        self.enabled = enabled
         self._color = color
         # A rank's traceback, from its "Traceback" line on, is held back until the run's root cause is known
         # (`show_failures`): shown whole for the rank that failed first, as one line for the others.
@@ -111,7 +112,11 @@ class RankOutputStreamer:
             if rest:
                 self._emit(rank, kind, [rest])
                 self._partial[rank, kind] = b""
-        for rank, path in self._stacks.items():
+
+    def show_stacks(self) -> None:
+        """The stack dumps of a timed-out run, folded to the learner's code, once."""
+        stacks, self._stacks = self._stacks, {}
+        for rank, path in stacks.items():
             try:
                 dump = path.read_text(errors="replace")
             except OSError:
@@ -148,7 +153,7 @@ class RankOutputStreamer:
         self._write(rank, kind, lines)
 
     def _write(self, rank: int, kind: str, lines: list[bytes]) -> None:
-        if not self._enabled or not lines:
+        if not self.enabled or not lines:
             return
         stream = sys.stdout if kind == "stdout" else sys.stderr
         prefix = rank_prefix(rank, self._color)
@@ -181,6 +186,10 @@ def _folded(rank: int, dump: str) -> list[str]:
 
 
 def show_failures_once(streamer: RankOutputStreamer, run: RunResult) -> None:
-    """The run's tracebacks, once: the root cause's whole, the others' as a line each."""
+    """A timed-out run's hang report and stacks; then the run's tracebacks, once: the root cause's whole,
+    the others' as a line each."""
+    if run.hang is not None and streamer.enabled:
+        print(run.hang.text(), file=sys.stderr, flush=True)
+    streamer.show_stacks()
     root = run.first_failure
     streamer.show_failures(root.rank if root else None, {r.rank: error_line(r) for r in run.ranks if r.error})

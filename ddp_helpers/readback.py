@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import LaunchConfig
+from .hang import last_printed_error, read_hang_report
 from .result import RankError, RankResult, RunResult, find_root_cause
 from .run_folder import RunFolder
 
@@ -113,6 +114,13 @@ def collect_result(
     if root is not None:
         ranks[root.rank] = replace(root, root_cause=True)
     devices = tuple(f"cuda:{r}" if config.backend == "nccl" else "cpu" for r in range(world_size))
+    hang = None
+    if timed_out:  # a rank that wrote how it ended had ended on its own before the launcher stopped the run
+        ended = {rank: (folder.read_own_json(folder.rank_file(rank, "exit.json")) or {}).get("exit_code")
+                 for rank in range(world_size)}
+        printed = {r.rank: last_printed_error(r.stderr) for r in ranks}  # a handled error, or the one that ended it
+        hang = read_hang_report(folder, world_size, config.script.name, ended,
+                                {rank: error for rank, error in printed.items() if error})
     return RunResult(
         config=config,
         ranks=tuple(ranks),
@@ -125,4 +133,5 @@ def collect_result(
         job_state=job_state,
         job_id=job_id,
         run_id=folder.run_id or "",
+        hang=hang,
     )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import LaunchConfig
+from .hang import HangReport
 from .run_folder import ATTEMPT_MARK
 
 
@@ -167,6 +168,8 @@ class RunResult:
         timed_out: the launcher stopped the run after config.timeout_s.
         launcher_log: torchrun's own output (its error summary, warnings); for a Slurm job, the job's output file.
         job_state, job_id: for a Slurm job, its final state (COMPLETED, FAILED, CANCELLED, TIMEOUT, ...) and id.
+        hang: for a timed-out run, what each rank was waiting in and the cause where it can be seen
+            (`hang.ranks`, `hang.cause`, `hang.text()`); None otherwise.
     """
 
     config: LaunchConfig
@@ -180,6 +183,7 @@ class RunResult:
     run_id: str = ""
     job_state: str = ""
     job_id: str = ""
+    hang: HangReport | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -228,9 +232,12 @@ class RunResult:
             )
         elif self.timed_out:
             lines.append(
-                f"Timed out after {self.config.timeout_s:.0f} s: the ranks were stopped. Where each rank still "
-                "running was is shown above ('where rank N was'): a rank waiting in a collective "
-                "that another rank never called is the usual cause. Raise --timeout if the work is just slow."
+                f"Timed out after {self.config.timeout_s:.0f} s: the ranks were stopped. "
+                + ("The hang report above says what each rank was waiting in, and the cause where the ranks show "
+                   "it (run.hang); their stacks follow it ('where rank N was'). " if self.hang else
+                   "Where each rank still running was is shown above ('where rank N was'): a rank waiting in a "
+                   "collective that another rank never called is the usual cause. ")
+                + "Raise --timeout if the work is just slow."
             )
         root = self.first_failure
         if root is not None:

@@ -9,6 +9,10 @@
                                      "attempt", "world_size"}: for
                                      stack dumps on timeout, and which agent and attempt the rank is
         rank0.error.json             the exception that ended rank 0, with its time, if any
+        rank0.stack                  every thread's stack, written when a timed-out run asks (SIGUSR1)
+        rank0.hang.request           a named pipe: the launcher opens it when a run times out, and rank 0
+                                     answers with rank0.hang.json, what it waits in (`_hang_probe`)
+        flight_recorder/rank0        torch's flight-recorder dump, beside it (`torchfrtrace` reads it)
         facts/rank0/<name>.json|.pt  values recorded with `ddp_helpers.record`
         outcome.json                 how each rank ended, as the torchrun agents saw it (the supervisor writes it)
         agent1.outcome.json          the same, from each further agent (--nnodes), merged into outcome.json

@@ -80,7 +80,10 @@ def test_a_stack_dump_shows_the_learners_frames_and_the_collective_and_folds_the
         f'  File "{__import__("ddp_helpers").__path__[0]}/_bootstrap.py", line 300 in main\n'
     )
     rank_file(tmp_path, 1, "stack").write_text(dump)
-    RankOutputStreamer(RunFolder(tmp_path), nproc=2, color=False).finish()
+    streamer = RankOutputStreamer(RunFolder(tmp_path), nproc=2, color=False)
+    streamer.finish()
+    streamer.show_stacks()
+    streamer.show_stacks()  # once only
     assert capsys.readouterr().err.splitlines() == [
         "[rank 1] where rank 1 was when the run timed out (your code, innermost call first; 5 frames of torch, "
         "Python and ddp_helpers folded, all kept in run.ranks[1].stderr):",

@@ -1,0 +1,81 @@
+"""Rank side of the hang report: what this rank is waiting in, written when the launcher asks.
+
+When a run times out, the launcher writes into each live rank's named pipe `rankN.hang.request`; a
+daemon thread of the bootstrap, blocked reading that pipe until then, answers with `rankN.hang.json`. A thread can
+answer while the main thread waits in a collective: torch releases the interpreter lock there.
+
+What it writes comes from torch's flight recorder, which torch 2.13 keeps by default for gloo and nccl
+alike (2000 entries, `TORCH_FR_BUFFER_SIZE`; torch/csrc/distributed/c10d/FlightRecorder.hpp), read with
+`torch._C._distributed_c10d._dump_fr_trace`: each collective's sequence number per process group, name,
+input shapes and dtypes, and whether it has returned ("retired"). Gloo's send and recv are not in it,
+so the blocking send or recv the script is in comes from the bootstrap's own log (`_point_to_point`).
+The raw dump is kept too, as `flight_recorder/rankN`: the layout torch's analyser reads
+(`torchfrtrace <run folder>/flight_recorder --prefix rank`).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+
+from . import _point_to_point
+from .run_folder import RunFolder, write_atomically
+
+KEEP_COLLECTIVES = 8  # the last few per rank: enough to see where ranks part ways
+OFF_ENV = "DDP_LESSONS_HANG_PROBE_OFF"  # "1": no probe thread (benchmarks/hang_report_cost.py compares)
+
+
+def serve(folder: RunFolder, rank: int) -> None:
+    request = folder.rank_file(rank, "hang.request")
+    request.unlink(missing_ok=True)  # an earlier attempt's, before a restart
+    os.mkfifo(request, 0o600)
+    # Opened here, read and write (which never blocks on Linux), so that the rank holds the same
+    # descriptors whatever the thread is doing: an open() blocked in a thread reserves a descriptor
+    # number unseen, and the script's first file would get another number from one run to the next.
+    pipe = os.open(request, os.O_RDWR | os.O_CLOEXEC)
+    threading.Thread(target=_answer_requests, args=(folder, rank, pipe), name="ddp_helpers-hang-probe",
+                     daemon=True).start()
+
+
+def _answer_requests(folder: RunFolder, rank: int, pipe: int) -> None:
+    while True:
+        try:
+            os.read(pipe, 64)  # blocks until the launcher writes
+            folder.write_json(folder.rank_file(rank, "hang.json"), {"rank": rank, **_what_this_rank_waits_in(folder, rank)})
+        except Exception as error:  # noqa: BLE001 - the report is a courtesy: it must never end the rank
+            print(f"[ddp_helpers] the hang report of rank {rank} failed: {error!r}", file=sys.stderr)
+            return
+
+
+def _what_this_rank_waits_in(folder: RunFolder, rank: int) -> dict:
+    collectives = []
+    c10d = sys.modules.get("torch._C._distributed_c10d")  # never import torch here: a script may not use it
+    if c10d is not None and hasattr(c10d, "_dump_fr_trace"):
+        dump = pickle.loads(c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+        write_atomically(folder.path / "flight_recorder" / f"rank{rank}", pickle.dumps(_analysable(dump)))
+        for entry in dump.get("entries", [])[-KEEP_COLLECTIVES:]:
+            if entry.get("is_p2p"):
+                continue
+            group_name, group_description = entry["process_group"]
+            collectives.append({
+                "number": entry["collective_seq_id"],
+                "op": entry["profiling_name"].split(":", 1)[-1],
+                "shapes": entry["input_sizes"], "dtypes": [d.lower() for d in entry["input_dtypes"]],
+                "group": "world" if group_description == "default_pg" else (group_description or group_name),
+                "returned": bool(entry["retired"]),
+            })
+    return {"collectives": collectives, "point_to_point": _point_to_point.waiting,
+            "point_to_point_calls": _point_to_point.count}
+
+
+def _analysable(dump: dict) -> dict:
+    """The dump as torch's analyser needs it: torch 2.13's gloo lists its groups' configuration under the
+    name "" while its entries name the group ("0"), and `torchfrtrace` then stops with a KeyError."""
+    config = dict(dump.get("pg_config") or {})
+    unnamed = config.get("")
+    for name, description in {tuple(entry["process_group"]) for entry in dump.get("entries", [])}:
+        if name not in config and unnamed is not None:
+            config[name] = {**unnamed, "name": name, "desc": description}
+    return {**dump, "pg_config": config}

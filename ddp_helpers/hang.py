@@ -1,0 +1,197 @@
+"""The hang report of a timed-out run: one table of what each rank waits in, and one sentence naming the
+cause where it can be seen ("rank 1 never called all_reduce #7, which rank 0 is waiting in").
+
+Read from the ranks themselves (`_hang_probe` writes `rankN.hang.json` from torch's flight recorder and
+the bootstrap's point-to-point log), from their stack dumps (the line of the learner's code each one is
+at), and from how the ranks that already ended did end.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass, field
+
+from .run_folder import RunFolder
+from .stacks import fold_stack
+
+
+def ask_ranks(folder: RunFolder, ranks: list[int]) -> list[int]:
+    """Write into each rank's request pipe (the rank's probe thread answers); the ranks that were asked."""
+    asked = []
+    for rank in ranks:
+        try:
+            pipe = os.open(folder.rank_file(rank, "hang.request"), os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as error:  # ENXIO: nobody reads it (a rank that is gone); ENOENT: not started
+            if error.errno not in (errno.ENXIO, errno.ENOENT):
+                raise
+            continue
+        try:
+            os.write(pipe, b"?")
+            asked.append(rank)
+        except OSError:  # the rank went away meanwhile
+            pass
+        finally:
+            os.close(pipe)
+    return asked
+
+
+@dataclass(frozen=True)
+class RankState:
+    """One row of the report: what a rank was doing when the run timed out."""
+
+    rank: int
+    waiting_in: str  # "all_reduce", "recv from rank 1", "not in a collective", "ended (exit code 0)"
+    number: str = ""  # the collective's sequence number in its group ("#7"), or the point-to-point call's
+    shape: str = ""  # "[4] float", the inputs' shapes and dtypes
+    group: str = ""
+    line: str = ""  # where in the learner's code: "line 41" (of the cell), or "model.py, line 12"
+    printed: str = ""  # the last exception a rank still running printed and went on from, if any
+
+
+@dataclass(frozen=True)
+class HangReport:
+    ranks: tuple[RankState, ...]
+    cause: str  # one sentence, or what could not be told
+    collectives: dict[int, list[dict]] = field(default_factory=dict, repr=False)  # per rank, as recorded
+
+    def table(self) -> str:
+        header = ("rank", "waiting in", "collective #", "shape / dtype", "group", "line")
+        rows = [header] + [(str(r.rank), r.waiting_in, r.number, r.shape, r.group, r.line) for r in self.ranks]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+    def text(self) -> str:
+        return f"What each rank was waiting in when the run timed out:\n{self.table()}\n{self.cause}"
+
+
+def read_hang_report(folder: RunFolder, world_size: int, script_name: str, exit_codes: dict[int, int | None],
+                     errors: dict[int, str]) -> HangReport | None:
+    """The report of a timed-out run from its folder; None when no rank answered (nothing to tell)."""
+    answers = {rank: folder.read_own_json(folder.rank_file(rank, "hang.json")) for rank in range(world_size)}
+    if not any(answers.values()):
+        return None
+    lines = {rank: _learner_line(folder.read_text(folder.rank_file(rank, "stack")), script_name)
+             for rank in range(world_size)}
+    return build_report(answers, lines, exit_codes, errors)
+
+
+def _learner_line(dump: str, script_name: str) -> str:
+    """The innermost frame of the learner's code in a stack dump: "line 41" in the cell's own script (its
+    lines are the cell's), "model.py, line 12" in another file."""
+    shown, _ = fold_stack(dump or "")
+    for entry in shown:
+        if entry.startswith("  File "):
+            name, rest = entry[len('  File "'):].split('", ', 1)
+            line = rest.split(" in ")[0]
+            return line if name == script_name else f"{name}, {line}"
+    return ""
+
+
+def last_printed_error(stderr: str) -> str | None:
+    """The exception line of the last traceback a rank printed ("ValueError: bad batch"), if any."""
+    _, found, after = stderr.rpartition("Traceback (most recent call last):")
+    if not found:
+        return None
+    lines = [line for line in after.splitlines() if line.strip() and not line[:1].isspace()]
+    return lines[0][:300] if lines else None
+
+
+# The flight recorder names dtypes as c10 does ("Float"); the report uses torch's names, as the p2p log does.
+_DTYPES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32",
+           "short": "int16", "char": "int8", "byte": "uint8", "bool": "bool", "bfloat16": "bfloat16"}
+
+
+def _shape(collective: dict) -> str:
+    shapes = ", ".join(str(list(s)) for s in collective["shapes"])
+    dtypes = sorted({_DTYPES.get(d.lower(), d.lower()) for d in collective["dtypes"]})
+    return f"{shapes} {'/'.join(dtypes)}".strip()
+
+
+def _waiting_collective(answer: dict | None) -> dict | None:
+    waiting = [c for c in (answer or {}).get("collectives", []) if not c["returned"]]
+    return waiting[-1] if waiting else None
+
+
+def build_report(answers: dict[int, dict | None], lines: dict[int, str], exit_codes: dict[int, int | None],
+                 errors: dict[int, str]) -> HangReport:
+    """`answers`: per rank its hang.json (None: it did not answer); `lines`: per rank where its stack says
+    it is; `exit_codes`: per rank its exit code if it had ended before the timeout; `errors`: per rank the
+    error it raised, if any."""
+    rows = []
+    for rank in sorted(answers):
+        answer, collective = answers[rank], _waiting_collective(answers[rank])
+        p2p = (answer or {}).get("point_to_point")
+        if exit_codes.get(rank) is not None:
+            ended = f"ended (exit code {exit_codes[rank]})"
+            rows.append(RankState(rank, f"{ended} after {errors[rank]}" if rank in errors else ended))
+        elif collective is not None:
+            rows.append(RankState(rank, collective["op"], f"#{collective['number']}", _shape(collective),
+                                  collective["group"], lines.get(rank, "")))
+        elif p2p is not None:
+            direction = "to" if p2p["op"] == "send" else "from"
+            rows.append(RankState(rank, f"{p2p['op']} {direction} rank {p2p['peer']}", f"p2p #{p2p['number']}",
+                                  f"{p2p['shape']} {p2p['dtype']}", "world", lines.get(rank, "")))
+        elif answer is None:
+            rows.append(RankState(rank, "did not answer", line=lines.get(rank, "")))
+        else:
+            rows.append(RankState(rank, "not in a collective (running Python)", line=lines.get(rank, ""),
+                                  printed=errors.get(rank, "")))
+    collectives = {rank: (answer or {}).get("collectives", []) for rank, answer in answers.items()}
+    cause = _cause(rows, collectives, answers)
+    return HangReport(tuple(rows), cause[0].upper() + cause[1:], collectives)
+
+
+def _names(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+
+
+def _cause(rows: list[RankState], collectives: dict[int, list[dict]], answers: dict[int, dict | None]) -> str:
+    by_rank = {row.rank: row for row in rows}
+    waiting = {row.rank: _waiting_collective(answers[row.rank]) for row in rows if row.number.startswith("#")}
+    if waiting:
+        # The earliest collective anyone waits in, per group: every rank of the group must have called it.
+        group, number = min((c["group"], c["number"]) for c in waiting.values())
+        called = {rank: next((c for c in collectives[rank] if c["group"] == group and c["number"] == number), None)
+                  for rank in collectives}
+        calls = {rank: c for rank, c in called.items() if c is not None}
+        kinds = {(c["op"], _shape(c)) for c in calls.values()}
+        if len(kinds) > 1:
+            parts = [f"{c['op']} of {_shape(c)} on rank {rank}" for rank, c in sorted(calls.items())]
+            return f"The ranks disagree at collective #{number}: {', '.join(parts)}."
+        op = next(iter(calls.values()))["op"]
+        waiters = sorted(rank for rank in waiting if waiting[rank]["number"] == number and waiting[rank]["group"] == group)
+        missing = [rank for rank, c in sorted(called.items()) if c is None and rank not in waiters]
+        if missing:
+            where = f" ({by_rank[waiters[0]].line})" if by_rank[waiters[0]].line else ""
+            doing = "; ".join(f"rank {rank} is {_doing(by_rank[rank])}" for rank in missing)
+            return (f"{_names(missing)} never called {op} #{number}, which {_names(waiters)} "
+                    f"{'is' if len(waiters) == 1 else 'are'} waiting in{where}: {doing}.")
+    p2p = {row.rank: row for row in rows if row.number.startswith("p2p")}
+    if p2p and len(p2p) == sum(1 for row in rows if not row.waiting_in.startswith("ended")):
+        ops = {row.waiting_in.split()[0] for row in p2p.values()}
+        every = "both" if len(p2p) == 2 else "all"
+        where = sorted({row.line for row in p2p.values() if row.line})
+        at = f" ({', '.join(where)})" if where else ""
+        if ops == {"recv"}:
+            return f"{_names(sorted(p2p))} {every} wait in recv{at}, and no rank sends: each waits for a message nobody sends."
+        if ops == {"send"}:
+            return f"{_names(sorted(p2p))} {every} wait in send{at}, and no rank receives."
+    busy = [row.rank for row in rows if row.waiting_in.startswith("not in a collective")]
+    if busy and not waiting and not p2p:
+        return (f"No rank waits in a collective: {'; '.join(f'rank {r} is {_doing(by_rank[r])}' for r in busy)}. "
+                "Look at those lines: a loop that does not end, or a sleep.")
+    return "No single cause could be read from the ranks; their stacks are below."
+
+
+def _doing(row: RankState) -> str:
+    if row.waiting_in == "did not answer":
+        return f"silent (no answer; its stack is below){' at ' + row.line if row.line else ''}"
+    if row.waiting_in.startswith("ended"):
+        return row.waiting_in.replace("ended", "gone: it ended", 1)
+    where = f" at {row.line}" if row.line else ""
+    if row.waiting_in.startswith("not in a collective"):
+        return f"in your code{where}, in no collective" + (f" (it printed {row.printed})" if row.printed else "")
+    return f"in {row.waiting_in} {row.number}{where}".replace("  ", " ")

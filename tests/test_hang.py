@@ -1,0 +1,118 @@
+"""The hang report of a timed-out run: each hang, stopped by its timeout, gets the table and the sentence
+that names its cause; a run that finishes has none."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddp_helpers.hang import RankState, build_report
+from support import failure_report, run_on_cpu
+
+HANG_TIMEOUT_S = 6  # each run below is stuck as soon as it starts: this only has to outlast a start under load
+
+PREAMBLE = """\
+import time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for step in range(3):
+    dist.all_reduce(torch.ones(4))
+"""  # the scripts below start at line 8, after three collectives every rank called
+
+HANGS = {
+    "a collective one rank skips": (
+        """\
+if rank == 0:
+    dist.all_reduce(torch.ones(4))
+else:
+    dist.barrier()
+""",
+        # rank 1's barrier is collective #4 too: the ranks disagree at #4
+        "The ranks disagree at collective #4: all_reduce of [4] float32 on rank 0, barrier of",
+    ),
+    "a collective one rank never calls": (
+        """\
+if rank == 0:
+    dist.all_reduce(torch.ones(4))
+time.sleep(300)
+""",
+        "Rank 1 never called all_reduce #4, which rank 0 is waiting in (line 9): rank 1 is in your code at line 10",
+    ),
+    "mismatched shapes": (
+        """\
+dist.all_reduce(torch.ones(4 if rank == 0 else 3))
+time.sleep(300)
+""",
+        "The ranks disagree at collective #4: all_reduce of [4] float32 on rank 0, all_reduce of [3] float32 on rank 1.",
+    ),
+    "send and recv both receiving": (
+        """\
+dist.recv(torch.empty(4), src=1 - rank)
+""",
+        "Ranks 0 and 1 both wait in recv (line 8), and no rank sends",
+    ),
+    "a rank stuck in plain Python": (
+        """\
+while rank == 1: step += 1  # noqa: E701 - one line, so that the stack names it whichever part runs
+dist.barrier()
+""",
+        "Rank 1 never called barrier #4, which rank 0 is waiting in (line 9): rank 1 is in your code at line 8, "
+        "in no collective",
+    ),
+    "a barrier one rank never reaches because it raised": (
+        """\
+import traceback
+try:
+    if rank == 1:
+        raise ValueError("bad batch")
+    dist.barrier()
+except ValueError:
+    traceback.print_exc()  # handled: the rank goes on, and rank 0 waits in the barrier for ever
+time.sleep(300)  # the rank's next work (on gloo, a rank that exits closes its connections: the others fail)
+""",
+        "Rank 1 never called barrier #4, which rank 0 is waiting in (line 12): rank 1 is in your code at line 15, "
+        "in no collective (it printed ValueError: bad batch)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(HANGS))
+def test_a_hang_is_reported_with_its_cause(name, write_script, capsys):
+    body, cause = HANGS[name]
+    script = write_script("hangs", PREAMBLE + body)
+    run = run_on_cpu(script, timeout_s=HANG_TIMEOUT_S)
+    assert run.timed_out and run.hang is not None, failure_report(run)
+    assert cause in run.hang.cause, f"{run.hang.text()}\n{failure_report(run)}"
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().err)
+    assert "What each rank was waiting in when the run timed out:" in shown and run.hang.cause in shown, shown
+    assert shown.index(run.hang.cause) < shown.index("where rank 0 was"), "the report comes before the stacks"
+    if name == "a collective one rank never calls":  # torch's own analyser reads the dumps kept, and agrees
+        analysed = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                                   str(Path(run.config.run_dir) / "flight_recorder"), "--prefix", "rank"],
+                                  capture_output=True, text=True, timeout=120)
+        assert "missing ranks: {1}" in analysed.stdout + analysed.stderr, analysed.stdout + analysed.stderr
+    if name == "a rank stuck in plain Python":
+        assert run.hang.ranks[1].waiting_in == "not in a collective (running Python)", run.hang.text()
+    assert all(r.exit_code != 139 for r in run.ranks), "no rank may crash while it reports"
+
+
+def test_a_run_that_finishes_has_no_hang_report(write_script):
+    run = run_on_cpu(write_script("finishes", PREAMBLE + "dist.destroy_process_group()\n"))
+    assert run.ok and run.hang is None, failure_report(run)
+
+
+def test_the_report_is_data_a_checker_can_read():
+    # Rank 0 waits in all_reduce #2 of the world; rank 1 did collective #1 and is elsewhere.
+    collective = {"op": "all_reduce", "shapes": [[4]], "dtypes": ["Float"], "group": "world"}
+    answers = {0: {"collectives": [{**collective, "number": 1, "returned": True},
+                                   {**collective, "number": 2, "returned": False}], "point_to_point": None},
+               1: {"collectives": [{**collective, "number": 1, "returned": True}], "point_to_point": None}}
+    report = build_report(answers, {0: "line 9", 1: "line 12"}, {}, {})
+    assert report.ranks == (RankState(0, "all_reduce", "#2", "[4] float32", "world", "line 9"),
+                            RankState(1, "not in a collective (running Python)", line="line 12"))
+    assert report.cause.startswith("Rank 1 never called all_reduce #2, which rank 0 is waiting in (line 9)")
+    assert "rank  waiting in" in report.table()

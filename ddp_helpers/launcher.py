@@ -62,7 +62,7 @@ _SUPERVISOR_EXTRA_S = 4
 # Every process of a stopped run is gone within this bound (stated in the README; a test holds it).
 STOP_BOUND_S = 15
 STACK_DUMP_WAIT_S = 5.0
-HANG_REPORT_WAIT_S = 3.0  # for the ranks to say what they wait in (a thread of each answers in milliseconds)
+HANG_REPORT_WAIT_S = 5.0  # for the ranks to say what they wait in (a thread of each answers within about 1 s)
 
 
 def child_environment(config: LaunchConfig, run_id: str, base: dict[str, str] | None = None) -> dict[str, str]:

@@ -32,7 +32,7 @@ else:
     dist.barrier()
 """,
         # rank 1's barrier is collective #4 too: the ranks disagree at #4
-        "The ranks disagree at collective #4: all_reduce of [4] float32 on rank 0, barrier of",
+        "The ranks disagree at collective #4: all_reduce of [4] float32 on rank 0 (line 9), barrier of",
     ),
     "a collective one rank never calls": (
         """\
@@ -47,7 +47,8 @@ time.sleep(300)
 dist.all_reduce(torch.ones(4 if rank == 0 else 3))
 time.sleep(300)
 """,
-        "The ranks disagree at collective #4: all_reduce of [4] float32 on rank 0, all_reduce of [3] float32 on rank 1.",
+        "The ranks disagree at collective #4: all_reduce of [4] float32 on rank 0 (line 8), all_reduce of [3] float32 on "
+        "rank 1 (line 8).",
     ),
     "send and recv both receiving": (
         """\

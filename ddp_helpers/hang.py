@@ -159,8 +159,8 @@ def _cause(rows: list[RankState], collectives: dict[int, list[dict]], answers: d
         calls = {rank: c for rank, c in called.items() if c is not None}
         kinds = {(c["op"], _shape(c)) for c in calls.values()}
         if len(kinds) > 1:
-            parts = [f"{c['op']} of {_shape(c)} on rank {rank}" + (f" (line {c['line']})" if c.get("line") else "")
-                     for rank, c in sorted(calls.items())]
+            parts = [c["op"] + (f" of {_shape(c)}" if _shape(c) else "") + f" on rank {rank}"
+                     + (f" (line {c['line']})" if c.get("line") else "") for rank, c in sorted(calls.items())]
             return f"The ranks disagree at collective #{number}: {', '.join(parts)}."
         op = next(iter(calls.values()))["op"]
         waiters = sorted(rank for rank in waiting if waiting[rank]["number"] == number and waiting[rank]["group"] == group)

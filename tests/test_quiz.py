@@ -11,7 +11,7 @@ from support import course_notebooks
 
 NOTEBOOKS = [path for path in course_notebooks() if path.name[:2] != "00"]
 QUESTIONS = quizzes.LESSON_2
-EVERY_QUESTION = [q for n in (1, 2, 3, 4) for q in getattr(quizzes, f"LESSON_{n}")]
+EVERY_QUESTION = [q for n in (1, 2, 3, 4, 5) for q in getattr(quizzes, f"LESSON_{n}")]
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)

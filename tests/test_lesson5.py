@@ -1,0 +1,82 @@
+"""Lesson 5's exercise (a training run that hangs at a step that looks random): the given script hangs
+and the checker says where; the solution passes; fixes that only hide the hang, or change the training,
+do not."""
+
+import re
+
+import nbformat
+import pytest
+
+from ddp_helpers.lessons.lesson5 import check_hang_exercise, exercise_reference, skipped_steps
+from support import course_notebook, failure_report, run_on_cpu
+
+NOTEBOOK = course_notebook("05_when_things_go_wrong.ipynb")
+SKIP = "    if not keep.any():\n        continue  # nothing left to learn from on this rank\n"
+
+
+@pytest.fixture(scope="module")
+def sources():
+    cells = nbformat.read(NOTEBOOK, as_version=4).cells
+    given = next(c.source for c in cells if c.source.startswith("%%torchrun --name exercise"))
+    solution_cell = next(c.source for c in cells if c.cell_type == "markdown" and "Show the solution" in c.source)
+    solution = re.search(r"```python\n(.*?)```", solution_cell, flags=re.S).group(1)
+    assert "<details>" in solution_cell, "the solution must be hidden by default"
+    given, solution = given.split("\n", 1)[1], solution.split("\n", 1)[1]
+    assert SKIP in given
+    return given, solution
+
+
+def test_the_given_data_leaves_a_rank_an_empty_batch_mid_run():
+    # What makes the exercise hang at a step that looks random: rank 0's batch is all outliers at step 8.
+    assert skipped_steps(2)[0] and 0 < min(skipped_steps(2)[0]) < 15
+
+
+def judged(write_script, source: str, timeout_s: float = 60):
+    run = run_on_cpu(write_script("exercise", source), timeout_s=timeout_s, stream=False)
+    return run, check_hang_exercise(run)
+
+
+def test_the_given_script_hangs_and_the_checker_names_the_collectives_that_disagree(write_script, sources):
+    run, report = judged(write_script, sources[0], timeout_s=8)
+    assert run.timed_out and not report.passed, failure_report(run)
+    assert "the run still hangs. The ranks disagree at collective #" in str(report), str(report)
+
+
+def test_the_solution_passes(write_script, sources):
+    run, report = judged(write_script, sources[1])
+    assert run.ok and report.passed, f"{report}\n{failure_report(run)}"
+
+
+WRONG_FIXES = {
+    # Hides nothing: the skipping rank still runs fewer all-reduces, so the run still ends stuck.
+    "a longer timeout": (lambda s: s.replace("timeout=timedelta(seconds=30)", "timeout=timedelta(seconds=600)"),
+                         "the run still hangs"),
+    "a barrier in the skipping branch": (lambda s: s.replace(SKIP, SKIP.replace("        continue", "        dist.barrier()\n        continue")),
+                                         "the run still hangs"),
+    "the all-reduces removed on every rank": (
+        lambda s: s.replace("    if not keep.any():\n        continue", "    if not keep.any():\n        keep[:] = True")
+                   .replace("        dist.all_reduce(p.grad)\n", ""),
+        "the ranks' weights differ"),
+    "every rank skips the step when one has nothing": (
+        lambda s: s.replace(SKIP, "    empty = torch.tensor(float(not keep.any()), device=device)\n"
+                                  "    dist.all_reduce(empty)\n    if empty.item() > 0:\n        continue\n"),
+        "not every rank took part in every step"),
+    "the outliers kept": (lambda s: s.replace("< OUTLIER", "< 100.0"), "not those of the intended training"),
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG_FIXES))
+def test_a_wrong_fix_does_not_pass(write_script, sources, name):
+    change, named = WRONG_FIXES[name]
+    wrong = change(sources[0])
+    assert wrong != sources[0]
+    run, report = judged(write_script, wrong, timeout_s=8)
+    assert not report.passed and named in str(report), f"{report}\n{failure_report(run)}"
+
+
+def test_the_reference_is_the_intended_training_and_differs_from_the_shortcuts():
+    import torch
+
+    two, four = exercise_reference(2), exercise_reference(4)
+    assert not all(torch.equal(a, b) for a, b in zip(two, four)), "the world size changes the data seen"
+    assert all(torch.isfinite(p).all() for p in two)

@@ -52,11 +52,16 @@ def _answer_requests(folder: RunFolder, rank: int, pipe: int) -> None:
 def _what_this_rank_waits_in(folder: RunFolder, rank: int) -> dict:
     collectives = []
     c10d = sys.modules.get("torch._C._distributed_c10d")  # never import torch here: a script may not use it
-    if c10d is not None and hasattr(c10d, "_dump_fr_trace"):
+    # nccl's groups keep their own recorder (a CUDA build's `_dump_nccl_trace`; not run on a machine
+    # without GPUs), gloo's the generic one.
+    dumps = [getattr(c10d, name) for name in ("_dump_nccl_trace", "_dump_fr_trace") if hasattr(c10d, name)] if c10d else []
+    for dump_trace in dumps:
         # With stack traces: the line of the script that called each collective (about 1 s the first time).
-        dump = pickle.loads(c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=True, onlyActive=False))
+        dump = pickle.loads(dump_trace(True, True, False))  # collectives, stack traces, not only the active ones
+        if not dump.get("entries"):
+            continue
         write_atomically(folder.path / "flight_recorder" / f"rank{rank}", pickle.dumps(_analysable(dump)))
-        for entry in dump.get("entries", [])[-KEEP_COLLECTIVES:]:
+        for entry in dump["entries"][-KEEP_COLLECTIVES:]:
             if entry.get("is_p2p"):
                 continue
             group_name, group_description = entry["process_group"]

@@ -34,3 +34,12 @@ def ipython():
     shell = get_ipython()
     shell.run_line_magic("load_ext", "ddp_helpers")
     return shell
+
+
+@pytest.fixture
+def warm_launches():
+    """The warm process up (started again if an earlier test stopped it) before the test launches: for tests whose timeouts must catch a run in the
+    state it reaches within a second of starting, however loaded the machine is."""
+    from ddp_helpers.launcher import prepare_warm_launches
+
+    assert prepare_warm_launches(), "the warm process did not start"

@@ -11,6 +11,9 @@ import pytest
 from ddp_helpers.hang import RankState, build_report
 from support import failure_report, run_on_cpu
 
+# Warm launches: ranks forked from the warm process start in a fraction of a second even on a loaded
+# machine, so that the timeout catches each run in its hang, never still importing torch.
+pytestmark = pytest.mark.usefixtures("warm_launches")
 HANG_TIMEOUT_S = 6  # each run below is stuck as soon as it starts: this only has to outlast a start under load
 
 PREAMBLE = """\
@@ -32,7 +35,7 @@ else:
     dist.barrier()
 """,
         # rank 1's barrier is collective #4 too: the ranks disagree at #4
-        "The ranks disagree at collective #4: all_reduce of [4] float32 on rank 0 (line 9), barrier of",
+        "The ranks disagree at collective #4: all_reduce of [4] float32 on rank 0 (line 9), barrier on rank 1 (line 11).",
     ),
     "a collective one rank never calls": (
         """\

@@ -125,9 +125,10 @@ def build_report(answers: dict[int, dict | None], lines: dict[int, str], exit_co
         if exit_codes.get(rank) is not None:
             ended = f"ended (exit code {exit_codes[rank]})"
             rows.append(RankState(rank, f"{ended} after {errors[rank]}" if rank in errors else ended))
-        elif collective is not None:
+        elif collective is not None:  # the line that called it (with nccl, the rank may have gone on since)
+            line = f"line {collective['line']}" if collective.get("line") else lines.get(rank, "")
             rows.append(RankState(rank, collective["op"], f"#{collective['number']}", _shape(collective),
-                                  collective["group"], lines.get(rank, "")))
+                                  collective["group"], line))
         elif p2p is not None:
             direction = "to" if p2p["op"] == "send" else "from"
             rows.append(RankState(rank, f"{p2p['op']} {direction} rank {p2p['peer']}", f"p2p #{p2p['number']}",

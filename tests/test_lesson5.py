@@ -81,3 +81,10 @@ def test_the_reference_is_the_intended_training_and_differs_from_the_shortcuts()
     two, four = exercise_reference(2), exercise_reference(4)
     assert not all(torch.equal(a, b) for a, b in zip(two, four)), "the world size changes the data seen"
     assert all(torch.isfinite(p).all() for p in two)
+
+
+def test_one_rank_is_not_enough(write_script, sources):
+    # On one rank nothing can hang, and a skipped step costs nothing with plain SGD: no evidence of a fix.
+    run = run_on_cpu(write_script("exercise", sources[1]), nproc=1, stream=False)
+    report = check_hang_exercise(run)
+    assert not report.passed and "run it on 2 ranks or more" in str(report), f"{report}\n{failure_report(run)}"

@@ -149,7 +149,7 @@ LESSON_5 = [
     Question("DDP is wrapped after a seed per rank, and later rank 1 scales a weight in place under no_grad. What happens?",
              ("DDP raises an error at the next step", "Nothing visible: the ranks keep training different weights",
               "DDP averages the weights back together"), 1,
-             "DDP broadcasts rank 0's weights once, at the wrap, then averages only gradients: a change outside "
-             "backward on one rank stays.",
+             "DDP broadcasts rank 0's weights once, at the wrap; then it averages gradients (and re-broadcasts "
+             "buffers before each forward), never parameters: a change outside backward on one rank stays.",
              "What does DDP synchronise after the wrap?"),
 ]

@@ -135,3 +135,18 @@ def test_a_held_traceback_shows_as_it_is_once_the_run_goes_on_for_seconds(tmp_pa
     assert capsys.readouterr().err == "[rank 0] Traceback (most recent call last):\n[rank 0] KeyError: 'x'\n"
     streamer.show_failures(0, {0: "KeyError: 'x'"})
     assert capsys.readouterr().err == "", "shown once"
+
+
+def test_text_counts_as_seen_once_its_line_is_complete(tmp_path):
+    from ddp_helpers.output import TextInFile
+
+    out = tmp_path / "rank1.stdout"
+    out.write_bytes(b"step 1 done\nready")
+    watcher = TextInFile(out, "ready now")
+    assert not watcher.seen()
+    with open(out, "ab") as f:
+        f.write(b" now")  # an unbuffered print: the text first...
+    assert not watcher.seen()
+    with open(out, "ab") as f:
+        f.write(b"\n")  # ...then its newline
+    assert watcher.seen()

@@ -56,6 +56,14 @@ def _redirect_output(folder: RunFolder, rank: int) -> None:
     sys.stderr.reconfigure(line_buffering=True)
 
 
+def _collectives_called(rank: int) -> list[dict]:
+    try:
+        return _hang_probe.collectives_called()
+    except Exception as error:  # noqa: BLE001 - a checker's evidence: never a reason for the rank to fail
+        print(f"[ddp_helpers] rank {rank}: reading the flight recorder failed: {error!r}", file=sys.stderr)
+        return []
+
+
 def _exit_status(exit: SystemExit) -> int:
     """The status the OS reports for `sys.exit(code)`: as the interpreter does, codes wrap modulo 256."""
     if exit.code is None:
@@ -304,6 +312,7 @@ def main() -> None:
         if observer is not None:
             folder.write_json(folder.rank_file(rank, "writes.json"), {"rank": rank, "files": sorted(observer.paths)})
             folder.write_json(folder.rank_file(rank, "p2p.json"), {"rank": rank, "calls": _point_to_point.summary()})
+            folder.write_json(folder.rank_file(rank, "collectives.json"), {"rank": rank, "calls": _collectives_called(rank)})
             # How it ended, for launches without a supervisor to ask the agent (Slurm jobs).
             folder.write_json(folder.rank_file(rank, "exit.json"), {"rank": rank, "exit_code": exit_code})
         if exit_code == 0:

@@ -51,30 +51,37 @@ def _answer_requests(folder: RunFolder, rank: int, pipe: int) -> None:
 
 def _what_this_rank_waits_in(folder: RunFolder, rank: int) -> dict:
     collectives = []
-    c10d = sys.modules.get("torch._C._distributed_c10d")  # never import torch here: a script may not use it
-    # nccl's groups keep their own recorder (a CUDA build's `_dump_nccl_trace`; not run on a machine
-    # without GPUs), gloo's the generic one.
-    dumps = [getattr(c10d, name) for name in ("_dump_nccl_trace", "_dump_fr_trace") if hasattr(c10d, name)] if c10d else []
-    for dump_trace in dumps:
+    for dump_trace in _recorders():
         # With stack traces: the line of the script that called each collective (about 1 s the first time).
         dump = pickle.loads(dump_trace(True, True, False))  # collectives, stack traces, not only the active ones
         if not dump.get("entries"):
             continue
         write_atomically(folder.path / "flight_recorder" / f"rank{rank}", pickle.dumps(_analysable(dump)))
-        for entry in dump["entries"][-KEEP_COLLECTIVES:]:
-            if entry.get("is_p2p"):
-                continue
-            group_name, group_description = entry["process_group"]
-            collectives.append({
-                "number": entry["collective_seq_id"],
-                "op": entry["profiling_name"].split(":", 1)[-1],
-                "shapes": entry["input_sizes"], "dtypes": [d.lower() for d in entry["input_dtypes"]],
-                "group": "world" if group_description == "default_pg" else (group_description or group_name),
-                "returned": bool(entry["retired"]),
-                "line": _script_line(entry.get("frames") or []),
-            })
-    return {"collectives": collectives, "point_to_point": _point_to_point.waiting,
-            "point_to_point_calls": _point_to_point.count}
+        collectives += [{**_collective(entry), "returned": bool(entry["retired"]),
+                         "line": _script_line(entry.get("frames") or [])}
+                        for entry in dump["entries"][-KEEP_COLLECTIVES:] if not entry.get("is_p2p")]
+    return {"collectives": collectives, "point_to_point": _point_to_point.waiting}
+
+
+def collectives_called() -> list[dict]:
+    """Every collective the rank called, as the flight recorder holds them (its last 2000), in order;
+    the bootstrap writes them when the script has ended, for checkers (no stack traces: fast)."""
+    return [_collective(entry) for dump_trace in _recorders()
+            for entry in pickle.loads(dump_trace(True, False, False)).get("entries", []) if not entry.get("is_p2p")]
+
+
+def _recorders() -> list:
+    c10d = sys.modules.get("torch._C._distributed_c10d")  # never import torch here: a script may not use it
+    # nccl's groups keep their own recorder (a CUDA build's `_dump_nccl_trace`; not run on a machine
+    # without GPUs), gloo's the generic one.
+    return [getattr(c10d, name) for name in ("_dump_nccl_trace", "_dump_fr_trace") if hasattr(c10d, name)] if c10d else []
+
+
+def _collective(entry: dict) -> dict:
+    group_name, group_description = entry["process_group"]
+    return {"number": entry["collective_seq_id"], "op": entry["profiling_name"].split(":", 1)[-1],
+            "shapes": entry["input_sizes"], "dtypes": [d.lower() for d in entry["input_dtypes"]],
+            "group": "world" if group_description == "default_pg" else (group_description or group_name)}
 
 
 def _script_line(frames: list[dict]) -> int | None:

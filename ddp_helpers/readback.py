@@ -103,6 +103,7 @@ def collect_result(
                 unreadable_facts=unreadable,
                 files_written=tuple((folder.read_own_json(folder.rank_file(rank, "writes.json")) or {}).get("files", ())),
                 point_to_point=tuple((folder.read_own_json(folder.rank_file(rank, "p2p.json")) or {}).get("calls", ())),
+                collectives=tuple((folder.read_own_json(folder.rank_file(rank, "collectives.json")) or {}).get("calls", ())),
                 agent=identity.get("agent"),
                 group_rank=identity.get("group_rank"),
                 local_rank=identity.get("local_rank"),

@@ -54,6 +54,9 @@ class RankResult:
         point_to_point: the `send`/`recv`/`isend`/`irecv` calls its script made, in order, as the launcher
             saw them: {"op", "peer", "shape", "dtype", "values" (small tensors only)}; empty if the rank
             did not end normally.
+        collectives: the collectives its script called, in order, as torch's flight recorder held them at
+            the end (its last 2000): {"number" (in its group), "op", "shapes", "dtypes", "group"}; empty if
+            the rank did not end normally.
         agent: which of the run's torchrun agents started it (0 .. nnodes - 1; None if it never started).
         group_rank, local_rank: its agent's place in the rendezvous (GROUP_RANK), and its LOCAL_RANK there.
         restart: the restart count (TORCHELASTIC_RESTART_COUNT) of its latest attempt: 0 if never restarted.
@@ -72,6 +75,7 @@ class RankResult:
     root_cause: bool = False
     files_written: tuple[str, ...] = ()
     point_to_point: tuple[dict, ...] = ()
+    collectives: tuple[dict, ...] = ()
     agent: int | None = None
     group_rank: int | None = None
     local_rank: int | None = None

@@ -22,6 +22,21 @@ def course_notebook(name: str) -> Path:
     return Path(os.environ["DDP_LESSONS_COURSE_UNDER_TEST"]) / name
 
 
+def exercise_cells(notebook: str, first_line_starts: str = "%%torchrun --name exercise") -> tuple[str, str, list[str]]:
+    """A lesson's exercise, as the notebook gives it: (its %%torchrun line, the script below that line,
+    the ```python blocks of the solution). Asserts the solution is hidden by default (<details>)."""
+    import re
+
+    import nbformat
+
+    cells = nbformat.read(course_notebook(notebook), as_version=4).cells
+    cell = next(c.source for c in cells if c.cell_type == "code" and c.source.startswith(first_line_starts))
+    solution_cell = next(c.source for c in cells if c.cell_type == "markdown" and "Show the solution" in c.source)
+    assert "<details>" in solution_cell, "the solution must be hidden by default"
+    magic, script = cell.split("\n", 1)
+    return magic, script, re.findall(r"```python\n(.*?)```", solution_cell, flags=re.S)
+
+
 def run_on_cpu(script: Path, nproc: int = 2, **options):
     """Launch on gloo CPU ranks as a laptop would, whatever this machine has."""
     return launch(make_launch_config(script, nproc=nproc, backend="gloo", hardware=Hardware(()), **options))

@@ -3,27 +3,20 @@ shown (hidden) in the notebook, and refuses fixes that run but skip what the exe
 gradient never sent back, the activation never sent (each rank computing the whole model itself), the
 wrong tensor sent. The scripts are taken from the notebook itself."""
 
-import re
-from pathlib import Path
 
-import nbformat
 import pytest
 
 from ddp_helpers.lessons.lesson1 import (bubble_formula, check_pipeline_exercise, handoff_cost, idle_fractions,
                                           idle_with_handoffs)
-from support import course_notebook, failure_report, run_on_cpu
+from support import exercise_cells, failure_report, run_on_cpu
 
-NOTEBOOK = course_notebook("01_data_vs_model_parallelism.ipynb")
+NOTEBOOK = "01_data_vs_model_parallelism.ipynb"
 
 
 @pytest.fixture(scope="module")
 def sources():
-    cells = nbformat.read(NOTEBOOK, as_version=4).cells
-    given = next(c.source for c in cells if c.source.startswith("%%torchrun -n 2 --name exercise"))
-    solution_cell = next(c.source for c in cells if c.cell_type == "markdown" and "Show the solution" in c.source)
-    solution = re.search(r"```python\n(.*?)```", solution_cell, flags=re.S).group(1)
-    assert "<details>" in solution_cell, "the solution must be hidden by default"
-    return given.split("\n", 1)[1], solution.split("\n", 1)[1]
+    _, given, (solution, *_) = exercise_cells(NOTEBOOK, "%%torchrun -n 2 --name exercise")
+    return given, solution.split("\n", 1)[1]
 
 
 def test_the_given_pipeline_deadlocks_and_the_checker_says_where(write_script, sources):

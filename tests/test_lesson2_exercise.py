@@ -2,26 +2,15 @@
 shown (hidden) in the notebook, and refuses wrong fixes (made from the solution) for what the ranks did,
 not for what the script says. The scripts are taken from the notebook itself."""
 
-import re
-from pathlib import Path
 
-import nbformat
 import pytest
 
 from ddp_helpers.lessons.lesson2 import check_training_exercise
-from support import course_notebook, failure_report, run_on_cpu
-
-NOTEBOOK = course_notebook("02_ddp_basics.ipynb")
-
+from support import exercise_cells, failure_report, run_on_cpu
 
 def exercise_sources() -> tuple[str, str]:
-    cells = nbformat.read(NOTEBOOK, as_version=4).cells
-    broken = next(c.source for c in cells if c.source.startswith("%%torchrun --name exercise"))
-    solution_cell = next(c.source for c in cells if c.cell_type == "markdown" and "Show the solution" in c.source)
-    solution = re.search(r"```python\n(.*?)```", solution_cell, flags=re.S).group(1)
-    assert "<details>" in solution_cell, "the solution must be hidden by default"
-    strip_magic = lambda source: source.split("\n", 1)[1]  # noqa: E731
-    return strip_magic(broken), strip_magic(solution)
+    _, broken, (solution, *_) = exercise_cells("02_ddp_basics.ipynb")
+    return broken, solution.split("\n", 1)[1]  # the solution's cell, without its %%torchrun line
 
 
 @pytest.fixture(scope="module")

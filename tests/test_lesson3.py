@@ -3,16 +3,13 @@
 counter behind the lesson's communication evidence counts calls and bytes exactly. The scripts are
 taken from the notebook itself."""
 
-import re
-from pathlib import Path
 
-import nbformat
 import pytest
 
 from ddp_helpers.lessons.lesson3 import check_checkpoint_exercise
-from support import course_notebook, failure_report, run_on_cpu
+from support import exercise_cells, failure_report, run_on_cpu
 
-NOTEBOOK = course_notebook("03_syncbn_and_sharded_state.ipynb")
+NOTEBOOK = "03_syncbn_and_sharded_state.ipynb"
 GIVEN_SAVE = """if rank == 0:
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, "checkpoint.pt")
 dist.destroy_process_group()
@@ -21,11 +18,8 @@ dist.destroy_process_group()
 
 def exercise_sources() -> tuple[str, str]:
     """(the exercise as given, the exercise with the solution's last lines)."""
-    cells = nbformat.read(NOTEBOOK, as_version=4).cells
-    given = next(c.source for c in cells if c.source.startswith("%%torchrun --name exercise")).split("\n", 1)[1] + "\n"
-    solution_cell = next(c.source for c in cells if c.cell_type == "markdown" and "Show the solution" in c.source)
-    assert "<details>" in solution_cell, "the solution must be hidden by default"
-    solution = re.search(r"```python\n(.*?)```", solution_cell, flags=re.S).group(1)
+    _, given, (solution, *_) = exercise_cells(NOTEBOOK)
+    given += "\n"
     assert given.endswith(GIVEN_SAVE)
     return given, given.replace(GIVEN_SAVE, solution)
 

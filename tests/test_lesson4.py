@@ -5,28 +5,22 @@ against the checker's own copy of the exercise run without a kill), not for what
 that change the training itself (reseeding, no dropout, one seed for all) fail too."""
 
 import re
-from pathlib import Path
 
-import nbformat
 import pytest
 
 from ddp_helpers import run_script
 from ddp_helpers.config import detect_hardware
 from ddp_helpers.lessons.lesson4 import check_resume_exercise
-from support import course_notebook, failure_report, run_on_cpu
+from support import exercise_cells, failure_report, run_on_cpu
 
-NOTEBOOK = course_notebook("04_launching_with_torchrun.ipynb")
+NOTEBOOK = "04_launching_with_torchrun.ipynb"
 
 
 def exercise_sources() -> tuple[str, str]:
     """(the exercise as given, the exercise with the solution's two changes)."""
-    cells = nbformat.read(NOTEBOOK, as_version=4).cells
-    cell = next(c.source for c in cells if c.source.startswith("%%torchrun --name exercise"))
-    assert "--kill-rank 1 --kill-after 'step 5 done'" in cell.splitlines()[0]
-    given = cell.split("\n", 1)[1] + "\n"
-    solution_cell = next(c.source for c in cells if c.cell_type == "markdown" and "Show the solution" in c.source)
-    assert "<details>" in solution_cell, "the solution must be hidden by default"
-    resume, snapshot = re.findall(r"```python\n(.*?)```", solution_cell, flags=re.S)
+    magic, given, (resume, snapshot) = exercise_cells(NOTEBOOK)
+    assert "--kill-rank 1 --kill-after 'step 5 done'" in magic
+    given += "\n"
     given_snapshot = re.search(r"        if rank == 0:\n            torch.save\(.*?os.replace\(.*?\)\n", given, flags=re.S).group(0)
     solution = given.replace('    first_step = snapshot["step"]\n', resume).replace(given_snapshot, snapshot)
     assert solution != given

@@ -2,27 +2,20 @@
 and the checker says where; the solution passes; fixes that only hide the hang, or change the training,
 do not."""
 
-import re
 
-import nbformat
 import pytest
 
 from ddp_helpers.lessons.lesson5 import check_hang_exercise, exercise_reference, skipped_steps
-from support import course_notebook, failure_report, run_on_cpu
+from support import exercise_cells, failure_report, run_on_cpu
 
-NOTEBOOK = course_notebook("05_when_things_go_wrong.ipynb")
 pytestmark = pytest.mark.usefixtures("warm_launches")  # the hanging runs are timed from a warm start
 SKIP = "    if not keep.any():\n        continue  # nothing left to learn from on this rank\n"
 
 
 @pytest.fixture(scope="module")
 def sources():
-    cells = nbformat.read(NOTEBOOK, as_version=4).cells
-    given = next(c.source for c in cells if c.source.startswith("%%torchrun --name exercise"))
-    solution_cell = next(c.source for c in cells if c.cell_type == "markdown" and "Show the solution" in c.source)
-    solution = re.search(r"```python\n(.*?)```", solution_cell, flags=re.S).group(1)
-    assert "<details>" in solution_cell, "the solution must be hidden by default"
-    given, solution = given.split("\n", 1)[1], solution.split("\n", 1)[1]
+    _, given, (solution, *_) = exercise_cells("05_when_things_go_wrong.ipynb")
+    solution = solution.split("\n", 1)[1]  # the solution's cell, without its %%torchrun line
     assert SKIP in given
     return given, solution
 
@@ -48,6 +41,29 @@ def test_the_solution_passes(write_script, sources):
     assert run.ok and report.passed, f"{report}\n{failure_report(run)}"
 
 
+# The intended training without a collective: each rank reads every rank's shard and averages by itself.
+EVERY_RANK_ALONE = """from ddp_helpers.lessons.lesson5 import rank_batches
+shards = [rank_batches(r) for r in range(world_size)]
+done = []
+for step in range(STEPS):
+    total = [torch.zeros_like(p) for p in model.parameters()]
+    for shard in shards:
+        inputs, targets, keep = next(shard)
+        if keep.any():
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs[keep]), targets[keep]).backward()
+            for sum_, p in zip(total, model.parameters()):
+                sum_ += p.grad
+    for sum_, p in zip(total, model.parameters()):
+        p.grad = sum_ / world_size
+    optimizer.step()
+    done.append(step)
+dist.barrier()
+record("steps", done)
+record("weights", [p.detach().cpu() for p in model.parameters()])
+dist.destroy_process_group()
+"""
+
 WRONG_FIXES = {
     # Hides nothing: the skipping rank still runs fewer all-reduces, so the run still ends stuck.
     "a longer timeout": (lambda s: s.replace("timeout=timedelta(seconds=30)", "timeout=timedelta(seconds=600)"),
@@ -57,12 +73,19 @@ WRONG_FIXES = {
     "the all-reduces removed on every rank": (
         lambda s: s.replace("    if not keep.any():\n        continue", "    if not keep.any():\n        keep[:] = True")
                    .replace("        dist.all_reduce(p.grad)\n", ""),
-        "the ranks' weights differ"),
+        "too few all-reduces"),
     "every rank skips the step when one has nothing": (
         lambda s: s.replace(SKIP, "    empty = torch.tensor(float(not keep.any()), device=device)\n"
                                   "    dist.all_reduce(empty)\n    if empty.item() > 0:\n        continue\n"),
         "not every rank took part in every step"),
     "the outliers kept": (lambda s: s.replace("< OUTLIER", "< 100.0"), "not those of the intended training"),
+    # Shortcuts that record the right numbers without the ranks training together.
+    "the checker's reference recorded": (
+        lambda s: s.split("done = []")[0] + "from ddp_helpers.lessons.lesson5 import exercise_reference\n"
+                  "done = list(range(STEPS))\ndist.barrier()\nrecord('steps', done)\n"
+                  "record('weights', exercise_reference(world_size))\ndist.destroy_process_group()\n",
+        "the run failed"),
+    "every rank computes every rank's gradient itself": (lambda s: s.split("done = []")[0] + EVERY_RANK_ALONE, "too few all-reduces"),
 }
 
 
@@ -88,3 +111,14 @@ def test_one_rank_is_not_enough(write_script, sources):
     run = run_on_cpu(write_script("exercise", sources[1]), nproc=1, stream=False)
     report = check_hang_exercise(run)
     assert not report.passed and "run it on 2 ranks or more" in str(report), f"{report}\n{failure_report(run)}"
+
+
+def test_py_spy_refused_by_ptrace_is_reported_not_raised(tmp_path, monkeypatch):
+    # Ubuntu's default (Yama ptrace_scope 1): py-spy, not the ranks' ancestor, may not read them.
+    from ddp_helpers.lessons.lesson5 import py_spy_dump
+
+    fake = tmp_path / "py-spy"
+    fake.write_text("#!/bin/sh\necho 'Error: Operation not permitted (os error 1)' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    assert py_spy_dump(1, until="never") == (False, "Error: Operation not permitted (os error 1)")

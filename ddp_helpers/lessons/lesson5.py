@@ -9,9 +9,18 @@ a rank with nothing to learn from still takes part, with a zero gradient.
 The checker computes the intended training itself, in one process, from the exercise's model, data
 and seeds (`exercise_reference`), and judges the learner's run against it: it finished; every rank
 took part in every step; the ranks' weights agree bitwise; and they are the reference's.
+
+Also here: `py_spy_dump`, section 6's look at a live job from outside.
 """
 
 from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 from ..exercises import ExerciseReport
 from ..result import RunResult
@@ -20,6 +29,37 @@ STEPS = 20
 BATCH = 3  # per rank and step: small enough that, now and then, all of a rank's batch is dropped
 OUTLIER = 1.5  # a sample with any feature beyond this is dropped
 LEARNING_RATE = 0.1
+PARAMETERS = 5  # the model's: a weight of 4 and a bias
+_ANSI_COLOURS = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def py_spy_dump(pid: int, until: str, timeout_s: float = 20) -> tuple[bool, str]:
+    """`py-spy dump --pid PID`, repeated until its output shows `until` (e.g. "train.py:23", the line
+    the process is expected to stop at): (whether py-spy could read the process, its last output).
+    py-spy reads another process's memory through ptrace; where Linux refuses that (Yama's
+    `ptrace_scope` 1 lets a process trace only its own descendants, and py-spy is not the ranks'
+    ancestor), it fails at once, and its message says so."""
+    # The py-spy installed with the course, beside this Python, whether or not its folder is on PATH.
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        dump = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True)
+        # Plain text: a kernel's environment asks command-line tools for colours (CLICOLOR_FORCE).
+        text = _ANSI_COLOURS.sub("", dump.stdout if dump.returncode == 0 else dump.stderr or dump.stdout).strip()
+        if dump.returncode != 0:
+            return False, text.split("Stack backtrace:")[0].strip()  # its message, without py-spy's own stack
+        if until in text or time.monotonic() > deadline:
+            return True, text
+        time.sleep(0.2)
+
+
+def ptrace_scope() -> str | None:
+    """Yama's ptrace policy (0: classic; 1: only descendants, Ubuntu's default; 2: admin only; 3: none),
+    or None where the kernel has no Yama."""
+    try:
+        return Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip()
+    except OSError:
+        return None
 
 
 def rank_batches(rank: int):
@@ -37,7 +77,13 @@ def rank_batches(rank: int):
 def exercise_reference(world_size: int) -> list:
     """The weight and bias after the intended training on `world_size` ranks: each rank's gradient of its
     kept samples' mean loss (zero when it kept none), summed over the ranks and divided by the world size."""
+    import os
+
     import torch
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # inside a rank: recording these weights would skip the exercise
+        raise RuntimeError("exercise_reference is the checker's answer, computed in the notebook: the exercise's "
+                           "script must train the model itself")
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -98,6 +144,17 @@ def check_hang_exercise(run: RunResult) -> ExerciseReport:
               "stay in step; skipping the step on every rank changes the training")
     else:
         report.confirmed.append(f"every rank took part in all {STEPS} steps")
+    gradient_values = {rank.rank: _all_reduced_values(rank.collectives) for rank in run.ranks}
+    expected = STEPS * PARAMETERS
+    short = {rank: values for rank, values in gradient_values.items() if values < expected}
+    if short:
+        report.mistakes.append(
+            "torch's flight recorder saw too few all-reduces for a gradient of " f"{PARAMETERS} values in each of "
+            f"{STEPS} steps ({expected} values) on " + "; ".join(f"rank {r}: {v}" for r, v in short.items())
+            + ": every rank all-reduces its gradient every step")
+        return report
+    report.confirmed.append(f"torch's flight recorder saw every rank all-reduce at least a gradient's {PARAMETERS} "
+                            f"values in each of the {STEPS} steps")
     agree = all(all(torch.equal(a, b) for a, b in zip(weights[0], other)) for other in weights[1:])
     if not agree:
         report.mistakes.append("the ranks' weights differ: each step's gradients must be all-reduced on every rank, "
@@ -113,3 +170,12 @@ def check_hang_exercise(run: RunResult) -> ExerciseReport:
             "when it kept none), summed over the ranks and divided by the world size; samples with an outlier "
             "stay dropped")
     return report
+
+
+def _all_reduced_values(collectives) -> int:
+    """How many values a rank all-reduced (the elements of every all_reduce's tensors), from what the
+    flight recorder saw: a count the script cannot fake by what it records about itself."""
+    from math import prod
+
+    return sum(prod(shape) for call in collectives if call["op"] in ("all_reduce", "allreduce")
+               for shape in call["shapes"])

@@ -1,0 +1,112 @@
+"""The real `torchrun` command, run as a terminal would run it, not through this course's launcher.
+
+Lessons 4 and 5 use it to show torchrun's own behaviour (a port collision, c10d's numbering of
+machines, a rendezvous that never completes, per-rank log files) and to look at a live job from
+outside (`py-spy dump`). Every process a command starts carries a marker in its environment, so that
+everything is killed when the cell is done with it, the ranks included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+MARKER_ENV = "DDP_LESSONS_TORCHRUN_COMMAND"
+
+
+@contextlib.contextmanager
+def torchrun_in_background(arguments: list[str], marker: str | None = None) -> Iterator[subprocess.Popen]:
+    """Start `torchrun ARGUMENTS`, as in a second terminal, and yield its process (output on `.stdout`,
+    text). When the block ends, the agent and every process it started are killed."""
+    from ..config import inherited_environment
+    from ..processes import arm_parent_death_signal, kill_marked
+
+    marker = marker or uuid.uuid4().hex
+    env = inherited_environment()
+    env.update({MARKER_ENV: marker,  # found by the sweep below, in every process started
+                "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *arguments], env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True,
+                               # A killed kernel ends the job too: torchrun stops its workers on SIGTERM.
+                               preexec_fn=lambda: arm_parent_death_signal(signal.SIGTERM))
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        if process.stdout.closed:  # the block read the output to its end
+            process.wait()
+        else:
+            process.communicate()
+        kill_marked(marker, MARKER_ENV)
+
+
+def run_torchrun_commands(commands: list[list[str]], start_gap_s: float = 0.0,
+                          timeout_s: float = 60) -> list[tuple[int | None, str]]:
+    """Run `torchrun ARGUMENTS` for each entry of `commands` at once, as terminals would, the next one
+    `start_gap_s` after the previous: [(exit code, None if it had to be stopped; its output)].
+    Everything they started is killed at the end."""
+    marker = uuid.uuid4().hex
+    with contextlib.ExitStack() as stack:
+        processes = []
+        for number, arguments in enumerate(commands):
+            if number:
+                time.sleep(start_gap_s)
+            processes.append(stack.enter_context(torchrun_in_background(arguments, marker)))
+        deadline = time.monotonic() + timeout_s
+        results = []
+        for process in processes:
+            try:
+                output, _ = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                results.append((process.returncode, output))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                results.append((None, process.communicate()[0]))
+        return results
+
+
+def run_torchrun_command(arguments: list[str], timeout_s: float = 60) -> tuple[int | None, str]:
+    """`run_torchrun_commands` for one command."""
+    return run_torchrun_commands([arguments], timeout_s=timeout_s)[0]
+
+
+def worker_pids(agent: subprocess.Popen, ranks: int, timeout_s: float = 60) -> dict[int, int]:
+    """{rank: pid} of the workers torchrun's agent started, once all `ranks` have started. As you would
+    at work on Linux: the agent's child processes, each one's rank read from its environment
+    (`/proc/PID/environ`, the RANK torchrun set)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {}
+        for pid in _children(agent.pid):
+            rank = _environment(pid).get("RANK")
+            if rank is not None:
+                found[int(rank)] = pid
+        if len(found) >= ranks:
+            return dict(sorted(found.items()))
+        if agent.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"torchrun's workers did not all start ({len(found)} of {ranks} found): "
+                               f"{agent.communicate()[0] if agent.poll() is not None else 'still waiting'}")
+        time.sleep(0.1)
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            children += [int(child) for child in open(f"/proc/{pid}/task/{task}/children").read().split()]
+    return children
+
+
+def _environment(pid: int) -> dict[str, str]:
+    try:
+        raw = open(f"/proc/{pid}/environ", "rb").read()
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)

@@ -83,11 +83,18 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 # pytest-xdist (-n 3 --dist loadgroup): tests in one group run one after another on one worker. A
-# notebook run keeps both cores busy for up to a minute, and the lessons time what they show: the nbmake
-# runs go one after another, and so do the browser's (one JupyterLab for all), each chain on a worker of
-# its own while the third takes the rest. The Slurm tests share one cluster.
-SERIAL_GROUPS = {"test_browser.py": "browser", "test_slurm.py": "slurm"}
-CHAINS_FIRST = ("browser", "nbmake")  # the longest chains start first
+# notebook run keeps both cores busy for up to a minute, and the lessons time what they show: no more
+# than two run at once. The browser test runs the even lessons on one worker and the odd ones on another
+# (a JupyterLab each), while the third worker takes the rest; notebooks under nbmake (`--nbmake
+# notebooks/`) go one after another. The Slurm tests share one cluster.
+SERIAL_GROUPS = {"test_slurm.py": "slurm"}
+CHAINS_FIRST = ("browser-even", "browser-odd", "nbmake")  # the longest chains start first
+
+
+def _browser_chain(item) -> str:
+    notebook = getattr(item, "callspec", None) and item.callspec.params.get("notebook")
+    # The test that JupyterLab shuts down cleanly has no notebook: it runs last on the odd chain.
+    return "browser-even" if notebook is not None and int(notebook.name[:2]) % 2 == 0 else "browser-odd"
 
 
 # The quick inner loop, `scripts/run_tests.sh -m "not slow"`, leaves these out: whole notebooks, the
@@ -104,7 +111,12 @@ def _group(item) -> str | None:
 def pytest_itemcollected(item):
     if getattr(item, "nbmake", False):  # nbmake runs the course under test, in its folder
         item.filename = str(Path(os.environ[COURSE_ENV]) / item.path.name)
-    group = "nbmake" if item.path.suffix == ".ipynb" else SERIAL_GROUPS.get(item.path.name)
+    if item.path.suffix == ".ipynb":
+        group = "nbmake"
+    elif item.path.name == "test_browser.py":
+        group = _browser_chain(item)
+    else:
+        group = SERIAL_GROUPS.get(item.path.name)
     if group:
         item.add_marker(pytest.mark.xdist_group(group))
     if item.path.suffix == ".ipynb" or item.path.name in SLOW_FILES:

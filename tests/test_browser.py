@@ -40,8 +40,8 @@ CHROMIUM_FLAGS = [
 ]
 MARKER_ENV = "DDP_LESSONS_BROWSER_TEST"
 # Per lesson: a check its run must confirm, the hint its exercise as given gets from the checker (it
-# must be judged, and judged wrong), and how many plots must render as images. (launch_lesson.sh is
-# tested on a small lesson of its own: each notebook runs twice in the suite, here and under nbmake.)
+# must be judged, and judged wrong), and how many plots must render as images. (This is the suite's one
+# run of each notebook; launch_lesson.sh is tested on a small lesson of its own.)
 LESSON_EXPECTATIONS = {
     "01": ("\u2713 the averaged gradient is one process's gradient on the whole batch",
            "never finished: rank 0 in recv", 3),

@@ -1,8 +1,8 @@
 """scripts/launch_lesson.sh: bad lesson numbers get the list of lessons; a lesson runs from its notebook
 with per-rank output, its checks and its plots saved as PNG; a failing check makes it exit non-zero.
 
-The course's own notebooks each run twice in the suite already (nbmake, and the browser test, which
-also asserts each lesson's key check and its exercise's hint): here launch_lesson.sh runs a small
+The course's own notebooks each run once in the suite already, in the browser test (which also
+asserts each lesson's key check and its exercise's hint): here launch_lesson.sh runs a small
 lesson of the same shape (a %%torchrun cell, a check on its facts, a plot), from a folder of lessons
 given by DDP_LESSONS_NOTEBOOKS, as an instructor's copy of the course would be."""
 

@@ -101,7 +101,7 @@ def test_the_tests_run_the_committed_course_not_a_learners_working_copy(tmp_path
     (project / "notebooks" / "01_lesson-Copy1.ipynb").write_bytes(edited)
 
     env = {k: v for k, v in os.environ.items() if k not in ("DDP_LESSONS_COURSE_UNDER_TEST", "DDP_HELPERS_RUNS")}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider"], cwd=project,
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "--nbmake", "notebooks", "tests"], cwd=project,
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout + done.stderr
     assert "differ in your working tree: 01_lesson.ipynb, 01_lesson-Copy1.ipynb" in done.stdout

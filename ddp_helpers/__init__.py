@@ -6,26 +6,41 @@ Public API (see README.md):
     record, RecordError                      script side: save a value for the notebook
     %load_ext ddp_helpers                    the %%torchrun cell magic
 
-This module stays light: ranks import it to call `record`, so nothing heavy (torch, IPython,
-matplotlib) is imported here.
+This module stays light: ranks import it to call `record`, which loads only `recording` and the run
+folder's module; the launcher's side (config, launcher, result) loads on first use of its names.
 """
 
 from __future__ import annotations
 
-from .config import LaunchConfig, make_launch_config
-from .errors import LaunchError
-from .launcher import launch
+import importlib
+
 from .recording import RecordError, record
-from .result import RankResult, RunFailed, RunResult
+
+# Name -> module, loaded when first asked for (PEP 562): a rank never loads the launcher.
+_LAUNCHER_SIDE = {
+    "LaunchConfig": "config", "make_launch_config": "config", "LaunchError": "errors", "launch": "launcher",
+    "RunResult": "result", "RankResult": "result", "RunFailed": "result",
+}
 
 
-def run_script(script, **options) -> RunResult:
+def __getattr__(name: str):
+    if name in _LAUNCHER_SIDE:
+        value = getattr(importlib.import_module(f".{_LAUNCHER_SIDE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def run_script(script, **options) -> "RunResult":
     """`launch(make_launch_config(script, **options))`: run a script file on every rank.
 
     Example:
         >>> run = run_script("train.py", nproc=2)
         >>> run.ranks[0].stdout
     """
+    from .config import make_launch_config
+    from .launcher import launch
+
     return launch(make_launch_config(script, **options))
 
 

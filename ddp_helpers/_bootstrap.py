@@ -37,7 +37,7 @@ import types
 
 from . import _hang_probe, _point_to_point
 from .processes import die_with_parent
-from .run_folder import AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, RunFolder
+from .run_folder import AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, RankErrorRecord, RankIdentity, RunFolder
 
 _BUFFERED_FILE_TYPES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 _open_stack_file = None  # kept alive: faulthandler writes into it from its signal handler
@@ -49,7 +49,7 @@ def _redirect_output(folder: RunFolder, rank: int) -> None:
         if pipe.exists():
             target = os.open(pipe, os.O_WRONLY)
         else:  # launched without the supervisor's pipes: plain files
-            target = os.open(folder.rank_file(rank, kind), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            target = os.open(folder.output(rank, kind), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(target, fd)
         os.close(target)
     sys.stdout.reconfigure(line_buffering=True)
@@ -107,12 +107,12 @@ def _warn_if_process_group_left_open(rank: int) -> None:
 
 class WriteObserver:
     """Notes the files a rank writes (Python audit events "open" for writing, "os.rename"/"os.replace"),
-    leaving out the run folder's own bookkeeping (rankN.* files, facts/, hidden temporary files)."""
+    leaving out the run folder's own bookkeeping (`RunFolder.is_bookkeeping`)."""
 
     _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
     def __init__(self, folder: RunFolder):
-        self.own = str(folder.path)
+        self.folder = folder
         self.paths: set[str] = set()
 
     def __call__(self, event: str, args: tuple) -> None:
@@ -129,12 +129,8 @@ class WriteObserver:
             full = os.path.abspath(os.fsdecode(path))
         except (TypeError, ValueError):
             return
-        folder, name = os.path.split(full)
-        if folder == self.own and (name.startswith((".", "rank")) or name in ("outcome.json", "torchrun.log")):
-            return
-        if full.startswith((self.own + os.sep + "facts" + os.sep, self.own + os.sep + "flight_recorder" + os.sep)):
-            return
-        self.paths.add(full)
+        if not self.folder.is_bookkeeping(full):
+            self.paths.add(full)
 
 
 class _PatchOnImport:
@@ -264,18 +260,19 @@ def main() -> None:
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         # Started before in this launch: torchrun restarted the ranks (after a failure, or because an agent
         # joined or left). The rank's output goes on in the same files: mark where this attempt begins.
-        attempt = (folder.rank_identity(rank).get("attempt") or 0) + 1
-        folder.write_json(folder.rank_file(rank, "pid"), {
-            "rank": rank, "pid": os.getpid(), "agent": int(os.environ.get(AGENT_ENV) or os.environ.get("SLURM_NODEID") or 0),
-            "group_rank": int(os.environ.get("GROUP_RANK", "0")), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
-            "restart": restart, "attempt": attempt, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-            "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
-        })
+        earlier = folder.read_identity(rank)
+        attempt = (earlier.attempt if earlier else 0) + 1
+        folder.write_identity(RankIdentity(
+            rank=rank, pid=os.getpid(), agent=int(os.environ.get(AGENT_ENV) or os.environ.get("SLURM_NODEID") or 0),
+            group_rank=int(os.environ.get("GROUP_RANK", "0")), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            restart=restart, attempt=attempt, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            node=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        ))
         if attempt > 1:
             print(f"{ATTEMPT_MARK} attempt {attempt} of rank {rank} begins (restart count {restart}, world "
                   f"size {os.environ.get('WORLD_SIZE')})")
-        folder.rank_file(rank, "error.json").unlink(missing_ok=True)  # an earlier attempt's, before a restart
-        _open_stack_file = open(folder.rank_file(rank, "stack"), "w")
+        folder.clear_error(rank)  # an earlier attempt's, before a restart
+        _open_stack_file = open(folder.stack_file(rank), "w")
         if os.environ.get(_hang_probe.OFF_ENV) != "1":
             _hang_probe.serve(folder, rank)
     faulthandler.enable()
@@ -299,22 +296,18 @@ def main() -> None:
         failed_at = time.time()
         text = _print_user_traceback(error, script)
         if folder is not None:
-            folder.write_json(
-                folder.rank_file(rank, "error.json"),
-                {"rank": rank, "time": failed_at, "type": type(error).__name__, "message": _capped(str(error)),
-                 "traceback": _capped(text)},
-            )
+            folder.write_error(RankErrorRecord(rank=rank, time=failed_at, type=type(error).__name__,
+                                               message=_capped(str(error)), traceback=_capped(text)))
     try:
         _finish_like_the_interpreter()
     except BaseException:  # noqa: BLE001 - e.g. an exception while joining threads: shown, exit unchanged
         traceback.print_exc()
     finally:
         if observer is not None:
-            folder.write_json(folder.rank_file(rank, "writes.json"), {"rank": rank, "files": sorted(observer.paths)})
-            folder.write_json(folder.rank_file(rank, "p2p.json"), {"rank": rank, "calls": _point_to_point.summary()})
-            folder.write_json(folder.rank_file(rank, "collectives.json"), {"rank": rank, "calls": _collectives_called(rank)})
+            folder.write_evidence(rank, files_written=observer.paths, point_to_point=_point_to_point.summary(),
+                                  collectives=_collectives_called(rank))
             # How it ended, for launches without a supervisor to ask the agent (Slurm jobs).
-            folder.write_json(folder.rank_file(rank, "exit.json"), {"rank": rank, "exit_code": exit_code})
+            folder.write_exit(rank, exit_code)
         if exit_code == 0:
             _warn_if_process_group_left_open(rank)
         sys.stdout.flush()

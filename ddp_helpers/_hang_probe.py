@@ -28,7 +28,7 @@ OFF_ENV = "DDP_LESSONS_HANG_PROBE_OFF"  # "1": no probe thread (benchmarks/hang_
 
 
 def serve(folder: RunFolder, rank: int) -> None:
-    request = folder.rank_file(rank, "hang.request")
+    request = folder.hang_request(rank)
     request.unlink(missing_ok=True)  # an earlier attempt's, before a restart
     os.mkfifo(request, 0o600)
     # Opened here, read and write (which never blocks on Linux), so that the rank holds the same
@@ -43,7 +43,7 @@ def _answer_requests(folder: RunFolder, rank: int, pipe: int) -> None:
     while True:
         try:
             os.read(pipe, 64)  # blocks until the launcher writes
-            folder.write_json(folder.rank_file(rank, "hang.json"), {"rank": rank, **_what_this_rank_waits_in(folder, rank)})
+            folder.write_hang_answer(rank, _what_this_rank_waits_in(folder, rank))
         except Exception as error:  # noqa: BLE001 - the report is a courtesy: it must never end the rank
             print(f"[ddp_helpers] the hang report of rank {rank} failed: {error!r}", file=sys.stderr)
             return
@@ -56,7 +56,7 @@ def _what_this_rank_waits_in(folder: RunFolder, rank: int) -> dict:
         dump = pickle.loads(dump_trace(True, True, False))  # collectives, stack traces, not only the active ones
         if not dump.get("entries"):
             continue
-        write_atomically(folder.path / "flight_recorder" / f"rank{rank}", pickle.dumps(_analysable(dump)))
+        write_atomically(folder.flight_recorder_dump(rank), pickle.dumps(_analysable(dump)))
         collectives += [{**_collective(entry), "returned": bool(entry["retired"]),
                          "line": _script_line(entry.get("frames") or [])}
                         for entry in dump["entries"][-KEEP_COLLECTIVES:] if not entry.get("is_p2p")]

@@ -13,13 +13,15 @@ it execs `python -u -m ddp_helpers._bootstrap ...` in place, so the launch still
 without warm launches.
 """
 
-import json
 import os
 import select
 import signal
 import socket
-import struct
 import sys
+
+# This file runs as a script (python -S .../_zygote_stub.py): its folder is sys.path[0], and the package's
+# standard-library-only modules load from there as top-level modules (run_folder only when needed).
+from _framing import receive as _read_message, send
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # The zygote answers a fork request in milliseconds; one that does not answer in this time is stopped
@@ -54,23 +56,6 @@ def _arm_parent_death() -> None:
         os._exit(1)
 
 
-def _read_message(sock: socket.socket) -> dict | None:
-    header = b""
-    while len(header) < 4:
-        chunk = sock.recv(4 - len(header))
-        if not chunk:
-            return None
-        header += chunk
-    (size,) = struct.unpack("!I", header)
-    body = b""
-    while len(body) < size:
-        chunk = sock.recv(size - len(body))
-        if not chunk:
-            return None
-        body += chunk
-    return json.loads(body)
-
-
 def _wait_for_the_end(sock: socket.socket, worker: int) -> dict | None:
     """The zygote's {"status": ...} once the worker ended; {} when the worker ended and the zygote did not say
     (it is stopped or wedged: it cannot reap its child); None when the zygote went away."""
@@ -90,18 +75,15 @@ def _wait_for_the_end(sock: socket.socket, worker: int) -> dict | None:
 
 
 def _exit_code_from_the_run_folder() -> int:
-    """How the worker said it ended (the bootstrap writes rankN.exit.json last), else 1."""
-    rank, folder = os.environ.get("RANK", "0"), os.environ.get("DDP_HELPERS_RUN_DIR", "")
-    try:
-        with open(os.path.join(folder, f"rank{rank}.exit.json")) as f:
-            said = json.load(f)
-        if said.get("run_id") == os.environ.get("DDP_HELPERS_RUN_ID"):
-            code = int(said["exit_code"])
-            print(f"[ddp_helpers] the warm process did not report how rank {rank} ended (stopped or wedged); "
-                  f"it said itself: exit code {code}", file=sys.stderr, flush=True)
-            return code
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    """How the worker said it ended (the bootstrap writes its exit code last), else 1."""
+    from run_folder import RunFolder
+
+    rank, folder = int(os.environ.get("RANK", "0")), RunFolder.from_environment()
+    code = folder.read_exit_code(rank) if folder is not None else None
+    if isinstance(code, int):
+        print(f"[ddp_helpers] the warm process did not report how rank {rank} ended (stopped or wedged); "
+              f"it said itself: exit code {code}", file=sys.stderr, flush=True)
+        return code
     print(f"[ddp_helpers] the warm process did not report how rank {rank} ended (stopped or wedged), "
           "and the rank did not say either", file=sys.stderr, flush=True)
     return 1
@@ -115,12 +97,11 @@ def main() -> None:
     _arm_parent_death()
     socket_path, cold_argv = sys.argv[1], sys.argv[2:]
     request = {"role": "worker", "argv": cold_argv, "env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask()}
-    body = json.dumps(request).encode()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(ANSWER_TIMEOUT_S)
     try:
         sock.connect(socket_path)
-        socket.send_fds(sock, [struct.pack("!I", len(body)) + body], [0, 1, 2])
+        send(sock, request, fds=(0, 1, 2))
         started = _read_message(sock)
     except (OSError, ValueError):  # includes the timeout
         started = None

@@ -132,7 +132,7 @@ class OtherAgents:
         """Each started agent's outcome (none when they never joined: the run went on without them)."""
         if not self.started:
             return []
-        return [self._folder.read_own_json(self._folder.path / f"agent{agent}.outcome.json")
+        return [self._folder.read_outcome(agent)
                 or {"succeeded": False, "agent_error": f"agent {agent} ended without a word (exit code "
                                                         f"{self.exit_codes.get(pid)})"}
                 for agent, pid in enumerate(self.pids, start=1)]
@@ -142,7 +142,7 @@ class JoinWhenSeen:
     """Elastic membership: calls `join` once rank 0's output contains `text` (checked every 0.1 s)."""
 
     def __init__(self, folder: RunFolder, text: str, join):
-        self._printed, self._text, self._join = TextInFile(folder.rank_file(0, "stdout"), text), text, join
+        self._printed, self._text, self._join = TextInFile(folder.output(0, "stdout"), text), text, join
         threading.Thread(target=self._watch, name="ddp_helpers-join", daemon=True).start()
 
     def _watch(self) -> None:
@@ -188,7 +188,7 @@ def _run_other_agent(agent: int, parent_pid: int, argument_pipe: int, folder: Ru
     except BaseException as error:  # noqa: BLE001 - the agent itself failed: say so
         traceback.print_exc()
         outcome = {"succeeded": False, "agent_error": f"{type(error).__name__}: {error}"}
-    folder.write_json(folder.path / f"agent{agent}.outcome.json", outcome)
+    folder.write_outcome(outcome, agent)
     sys.stdout.flush()
     sys.stderr.flush()
     return 0 if outcome.get("succeeded") else 1

@@ -21,7 +21,7 @@ def ask_ranks(folder: RunFolder, ranks: list[int]) -> list[int]:
     asked = []
     for rank in ranks:
         try:
-            pipe = os.open(folder.rank_file(rank, "hang.request"), os.O_WRONLY | os.O_NONBLOCK)
+            pipe = os.open(folder.hang_request(rank), os.O_WRONLY | os.O_NONBLOCK)
         except OSError as error:  # ENXIO: nobody reads it (a rank that is gone); ENOENT: not started
             if error.errno not in (errno.ENXIO, errno.ENOENT):
                 raise
@@ -68,10 +68,10 @@ class HangReport:
 def read_hang_report(folder: RunFolder, world_size: int, script_name: str, exit_codes: dict[int, int | None],
                      errors: dict[int, str]) -> HangReport | None:
     """The report of a timed-out run from its folder; None when no rank answered (nothing to tell)."""
-    answers = {rank: folder.read_own_json(folder.rank_file(rank, "hang.json")) for rank in range(world_size)}
+    answers = {rank: folder.read_hang_answer(rank) for rank in range(world_size)}
     if not any(answers.values()):
         return None
-    lines = {rank: _learner_line(folder.read_text(folder.rank_file(rank, "stack")), script_name)
+    lines = {rank: _learner_line(folder.read_text(folder.stack_file(rank)), script_name)
              for rank in range(world_size)}
     return build_report(answers, lines, exit_codes, errors)
 

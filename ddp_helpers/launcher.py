@@ -182,7 +182,7 @@ def _launch_in(config: LaunchConfig, folder: RunFolder) -> RunResult:
     killer = RankKiller(config, folder) if config.kill_rank is not None else None
     start = time.monotonic()
     timed_out = False
-    with open(folder.path / "torchrun.log", "wb") as log:
+    with open(folder.torchrun_log, "wb") as log:
         proc = _start_supervisor(config, child_environment(config, run_id), log)
         try:
             deadline = start + config.timeout_s
@@ -203,7 +203,7 @@ def _launch_in(config: LaunchConfig, folder: RunFolder) -> RunResult:
         if note:
             print(f"[ddp_helpers] {note}", file=sys.stderr, flush=True)
         if proc.unreported:  # the supervisor's exit code was lost with the warm process: it is its outcome's
-            returncode = 0 if (folder.read_own_json(folder.path / "outcome.json") or {}).get("succeeded") else 1
+            returncode = 0 if (folder.read_outcome() or {}).get("succeeded") else 1
     result = collect_result(
         config, folder, returncode=returncode, wall_time_s=time.monotonic() - start,
         timed_out=timed_out,
@@ -217,18 +217,18 @@ class RankKiller:
 
     def __init__(self, config: LaunchConfig, folder: RunFolder):
         self._rank, self._text, self._folder = config.kill_rank, config.kill_after, folder
-        self._printed = TextInFile(folder.rank_file(config.kill_rank, "stdout"), config.kill_after)
+        self._printed = TextInFile(folder.output(config.kill_rank, "stdout"), config.kill_after)
         self.done = False
 
     def poll(self) -> None:
         if self.done or not self._printed.seen():
             return
-        identity = self._folder.rank_identity(self._rank)
-        if identity.get("restart", 0) == 0 and identity.get("pid"):
+        identity = self._folder.read_identity(self._rank)
+        if identity is not None and identity.restart == 0:
             print(f"[ddp_helpers] killing rank {self._rank} (SIGKILL, as the out-of-memory killer would): it printed "
                   f"{self._text!r}", file=sys.stderr, flush=True)
             try:
-                os.kill(identity["pid"], signal.SIGKILL)
+                os.kill(identity.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.done = True
@@ -271,7 +271,7 @@ def _dump_stacks_of_live_ranks(config: LaunchConfig, folder: RunFolder, streamer
     while reporting and time.monotonic() < until:
         streamer.poll()
         time.sleep(_POLL_INTERVAL_S)
-        if all(folder.rank_file(rank, "hang.json").exists() for rank in reporting):
+        if all(folder.hang_answered(rank) for rank in reporting):
             time.sleep(_POLL_INTERVAL_S)  # the thread is back, blocked on its pipe
             break
     asked = []
@@ -286,7 +286,7 @@ def _dump_stacks_of_live_ranks(config: LaunchConfig, folder: RunFolder, streamer
     while asked and time.monotonic() < until:
         streamer.poll()
         time.sleep(_POLL_INTERVAL_S)
-        now = {rank: _size(folder.rank_file(rank, "stack")) for rank in asked}
+        now = {rank: _size(folder.stack_file(rank)) for rank in asked}
         if all(size > 0 and sizes.get(rank) == size for rank, size in now.items()):
             break  # every dump written, none still growing
         sizes = now

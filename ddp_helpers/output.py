@@ -85,10 +85,10 @@ class RankOutputStreamer:
 
     def __init__(self, folder: RunFolder, nproc: int, enabled: bool = True, color: bool = True):
         self._sources = [
-            (rank, kind, folder.rank_file(rank, kind)) for rank in range(nproc) for kind in ("stdout", "stderr")
+            (rank, kind, folder.output(rank, kind)) for rank in range(nproc) for kind in ("stdout", "stderr")
         ]
         # The stack dump a rank writes when a timed-out run asks for it: shown folded, once, at the end.
-        self._stacks = {rank: folder.rank_file(rank, "stack") for rank in range(nproc)}
+        self._stacks = {rank: folder.stack_file(rank) for rank in range(nproc)}
         self._offsets = {key[:2]: 0 for key in self._sources}
         self._partial = {key[:2]: b"" for key in self._sources}
         self.enabled = enabled

@@ -13,11 +13,14 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .config import LaunchConfig
 from .hang import last_printed_error, read_hang_report
 from .result import RankError, RankResult, RunResult, find_root_cause
-from .run_folder import RunFolder
+from .run_folder import RankIdentity, RunFolder
+
+if TYPE_CHECKING:  # for annotations only: config imports nothing of the read-back side
+    from .config import LaunchConfig
 
 
 def read_facts(folder: RunFolder, rank: int) -> tuple[dict, dict]:
@@ -45,8 +48,8 @@ def _load_fact(path: Path):
 
 
 def _stderr_with_stack(folder: RunFolder, rank: int) -> str:
-    stderr = folder.read_text(folder.rank_file(rank, "stderr"))
-    stack = folder.read_text(folder.rank_file(rank, "stack"))
+    stderr = folder.read_text(folder.output(rank, "stderr"))
+    stack = folder.read_text(folder.stack_file(rank))
     if stack:
         stderr += f"[ddp_helpers] where rank {rank} was when the run timed out:\n{stack}"
     return stderr
@@ -65,50 +68,53 @@ def collect_result(
 ) -> RunResult:
     """The RunResult of the launch that just ended in `folder`. Exit codes come from the torchrun agents'
     outcome (local runs), else from what each rank wrote as it ended (Slurm jobs)."""
-    outcome = folder.read_own_json(folder.path / "outcome.json") or {}
+    outcome = folder.read_outcome() or {}
     finished = outcome.get("succeeded") is True
     failures = {int(rank): seen for rank, seen in (outcome.get("failures") or {}).items()}
     died_at = {int(rank): t for rank, t in (outcome.get("died_at") or {}).items()}
     ranks = []
-    identities = [folder.rank_identity(rank) for rank in range(config.world_size)]
+    # A rank that never started wrote no identity: its fields are unknown (None), its restarts 0.
+    unknown = RankIdentity(rank=-1, pid=0, agent=None, group_rank=None, local_rank=None, restart=0, world_size=0)
+    identities = [folder.read_identity(rank) or unknown for rank in range(config.world_size)]
     world_size = config.world_size
     if config.join_after:  # elastic: the world as large as it grew (agents that never joined left no rank)
-        world_size = max([identity.get("world_size", 0) for identity in identities] + [config.nproc])
+        world_size = max([identity.world_size for identity in identities] + [config.nproc])
     for rank, identity in enumerate(identities[:world_size]):
-        error = folder.read_own_json(folder.rank_file(rank, "error.json"))
+        error = folder.read_error(rank)
         seen = failures.get(rank)
         if finished:
             exit_code = 0
         elif seen is not None:
             exit_code = seen.get("exit_code")
-        elif "failures" in outcome and identity.get("agent") in outcome.get("unfinished_agents", ()):
+        elif "failures" in outcome and identity.agent in outcome.get("unfinished_agents", ()):
             # Its agent was stopped before it could say: finished if the rank wrote how it ended, else stopped.
-            exit_code = (folder.read_own_json(folder.rank_file(rank, "exit.json")) or {}).get("exit_code")
+            exit_code = folder.read_exit_code(rank)
         elif "failures" in outcome:
             exit_code = 0  # the agent listed every rank that failed; this one was not among them
         elif not outcome:  # no agent to ask (a Slurm job): how the rank said it ended, if it could
-            exit_code = (folder.read_own_json(folder.rank_file(rank, "exit.json")) or {}).get("exit_code")
+            exit_code = folder.read_exit_code(rank)
         else:
             exit_code = None
         facts, unreadable = read_facts(folder, rank)
+        evidence = folder.read_evidence(rank)
         ranks.append(
             RankResult(
                 rank=rank,
                 exit_code=exit_code,
-                stdout=folder.read_text(folder.rank_file(rank, "stdout")),
+                stdout=folder.read_text(folder.output(rank, "stdout")),
                 stderr=_stderr_with_stack(folder, rank),
                 facts=facts,
-                error=RankError(error["type"], error["message"], error["traceback"], error["time"]) if error else None,
-                ended_at=error["time"] if error else died_at.get(rank),
+                error=RankError(error.type, error.message, error.traceback, error.time) if error else None,
+                ended_at=error.time if error else died_at.get(rank),
                 unreadable_facts=unreadable,
-                files_written=tuple((folder.read_own_json(folder.rank_file(rank, "writes.json")) or {}).get("files", ())),
-                point_to_point=tuple((folder.read_own_json(folder.rank_file(rank, "p2p.json")) or {}).get("calls", ())),
-                collectives=tuple((folder.read_own_json(folder.rank_file(rank, "collectives.json")) or {}).get("calls", ())),
-                agent=identity.get("agent"),
-                group_rank=identity.get("group_rank"),
-                local_rank=identity.get("local_rank"),
-                restart=identity.get("restart", 0),
-                node=identity.get("node"),
+                files_written=evidence.files_written,
+                point_to_point=evidence.point_to_point,
+                collectives=evidence.collectives,
+                agent=identity.agent,
+                group_rank=identity.group_rank,
+                local_rank=identity.local_rank,
+                restart=identity.restart,
+                node=identity.node,
             )
         )
     root = find_root_cause(ranks)
@@ -117,8 +123,7 @@ def collect_result(
     devices = tuple(f"cuda:{r}" if config.backend == "nccl" else "cpu" for r in range(world_size))
     hang = None
     if timed_out:  # a rank that wrote how it ended had ended on its own before the launcher stopped the run
-        ended = {rank: (folder.read_own_json(folder.rank_file(rank, "exit.json")) or {}).get("exit_code")
-                 for rank in range(world_size)}
+        ended = {rank: folder.read_exit_code(rank) for rank in range(world_size)}
         printed = {r.rank: last_printed_error(r.stderr) for r in ranks}  # a handled error, or the one that ended it
         hang = read_hang_report(folder, world_size, config.script.name, ended,
                                 {rank: error for rank, error in printed.items() if error})
@@ -130,7 +135,7 @@ def collect_result(
         devices=devices,
         returncode=returncode,
         timed_out=timed_out,
-        launcher_log=folder.read_text(folder.path / "torchrun.log") if launcher_log is None else launcher_log,
+        launcher_log=folder.read_text(folder.torchrun_log) if launcher_log is None else launcher_log,
         job_state=job_state,
         job_id=job_id,
         run_id=folder.run_id or "",

@@ -6,10 +6,13 @@ import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .config import LaunchConfig
 from .hang import HangReport
 from .run_folder import ATTEMPT_MARK
+
+if TYPE_CHECKING:  # for annotations only: config imports nothing of the read-back side
+    from .config import LaunchConfig
 
 
 def _signal_name(number: int) -> str:

@@ -5,22 +5,34 @@
         .lock                        held (flock) by the launch in progress; a second launch is refused
         rank0.stdout, rank0.stderr   what rank 0 printed, capped (the first and last OUTPUT_KEEP_BYTES
                                      of each stream, with a line saying how much was dropped)
-        rank0.pid                    {"run_id", "pid", "agent", "group_rank", "local_rank", "restart",
-                                     "attempt", "world_size"}: for
-                                     stack dumps on timeout, and which agent and attempt the rank is
-        rank0.error.json             the exception that ended rank 0, with its time, if any
+        rank0.pid                    who rank 0's latest attempt is (`RankIdentity`: pid, agent, group and
+                                     local rank, restart, attempt, world size, node)
+        rank0.error.json             the exception that ended rank 0, with its time, if any (`RankErrorRecord`)
+        rank0.exit.json              how rank 0's script ended (its exit code), for launches without an agent to ask
+        rank0.writes.json            the files rank 0's script wrote, seen by the bootstrap (`RankEvidence`)
+        rank0.p2p.json               its send/recv calls; rank0.collectives.json: its collectives (flight recorder)
         rank0.stack                  every thread's stack, written when a timed-out run asks (SIGUSR1)
         rank0.hang.request           a named pipe: the launcher opens it when a run times out, and rank 0
                                      answers with rank0.hang.json, what it waits in (`_hang_probe`)
         flight_recorder/rank0        torch's flight-recorder dump, beside it (`torchfrtrace` reads it)
         facts/rank0/<name>.json|.pt  values recorded with `ddp_helpers.record`
+        pipes/rank0.stdout           the pipes a rank writes its output into while the supervisor runs
         outcome.json                 how each rank ended, as the torchrun agents saw it (the supervisor writes it)
         agent1.outcome.json          the same, from each further agent (--nnodes), merged into outcome.json
         torchrun.log                 the agent's own output
 
-Writer half (ranks; stays light, no torch import): `RunFolder.from_environment()`, `rank_file`,
-`facts_dir`, `write_json`, `belongs_to_this_launch`. Reader half (the notebook): `RunFolder.claim`,
-`start_launch`, `read_rank`, `read_outcome`, `release`.
+No other module spells these names: each file has its methods here.
+- Paths: `output(rank, stream)`, `fifo(rank, stream)` in `pipes_dir`, `stack_file(rank)`, `hang_request(rank)`,
+  `flight_recorder_dump(rank)`, `facts_dir(rank)`, `torchrun_log`; `is_bookkeeping(path)` tells a
+  rank's own files from the folder's.
+- Written by the ranks (light: no torch import): `from_environment()`, `write_identity(RankIdentity)`,
+  `write_error(RankErrorRecord)`, `clear_error(rank)`, `write_exit(rank, code)`,
+  `write_evidence(rank, files_written=, point_to_point=, collectives=)`, `write_hang_answer(rank, answer)`,
+  `belongs_to_this_launch()`.
+- Written by the supervisor: `write_outcome(outcome, agent=None)`.
+- Read by the launcher: `claim(path)`, `start_launch(run_id)`, `release()`, `read_identity(rank)`,
+  `rank_pid(rank)`, `rank_pids(world_size)`, `read_error(rank)`, `read_exit_code(rank)`,
+  `read_evidence(rank)`, `read_hang_answer(rank)`, `read_outcome(agent=None)`, `read_text(path)`.
 
 Safety rules:
 - Only a folder that carries the marker is ever emptied; an existing folder without it is refused
@@ -42,9 +54,9 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from .errors import LaunchError
 
 RUN_DIR_ENV = "DDP_HELPERS_RUN_DIR"
 RUN_ID_ENV = "DDP_HELPERS_RUN_ID"
@@ -60,6 +72,53 @@ MARKER_NAME = ".ddp_helpers-run"
 LOCK_NAME = ".lock"
 # Per rank and stream: the first and the last this many bytes are kept (and shown); the middle is dropped.
 OUTPUT_KEEP_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """What a rank's latest attempt wrote about itself as it started (`rankN.pid`)."""
+
+    rank: int
+    pid: int
+    agent: int = 0  # which of the run's torchrun agents started it
+    group_rank: int = 0
+    local_rank: int = 0
+    restart: int = 0  # torchrun's restart count (TORCHELASTIC_RESTART_COUNT)
+    attempt: int = 1  # how many times the rank has started in this launch
+    world_size: int = 1
+    node: str | None = None
+
+
+@dataclass(frozen=True)
+class RankErrorRecord:
+    """The exception that ended a rank (`rankN.error.json`)."""
+
+    rank: int
+    time: float
+    type: str
+    message: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class RankEvidence:
+    """What the bootstrap saw a rank's script do, written as it ended: `rankN.writes.json` (files it
+    wrote), `rankN.p2p.json` (send/recv calls) and `rankN.collectives.json` (from the flight recorder)."""
+
+    files_written: tuple[str, ...] = ()
+    point_to_point: tuple[dict, ...] = ()
+    collectives: tuple[dict, ...] = ()
+
+
+def _from_json(cls, value: dict | None):
+    """A dataclass from the JSON object a launch wrote, or None (missing, or not of this shape)."""
+    if value is None:
+        return None
+    names = {f.name for f in fields(cls)}
+    try:
+        return cls(**{key: item for key, item in value.items() if key in names})
+    except TypeError:
+        return None
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -100,20 +159,93 @@ class RunFolder:
         path = os.environ.get(RUN_DIR_ENV)
         return cls(path, os.environ.get(RUN_ID_ENV)) if path else None
 
-    def rank_file(self, rank: int, kind: str) -> Path:
-        """`kind`: stdout, stderr, pid, error.json."""
+    # ---- where each file is: the only place its name is spelled -----------------------------------
+
+    def _rank_file(self, rank: int, kind: str) -> Path:
         return self.path / f"rank{rank}.{kind}"
 
-    def fifo(self, rank: int, kind: str) -> Path:
-        """The pipe a rank writes its stdout/stderr into (the supervisor caps it into `rank_file`)."""
-        return self.path / "pipes" / f"rank{rank}.{kind}"
+    def output(self, rank: int, stream: str) -> Path:
+        """What the rank printed on `stream` ("stdout" or "stderr"), capped by the supervisor."""
+        return self._rank_file(rank, stream)
+
+    def fifo(self, rank: int, stream: str) -> Path:
+        """The pipe a rank writes its stdout/stderr into (the supervisor caps it into `output`)."""
+        return self.pipes_dir / f"rank{rank}.{stream}"
+
+    @property
+    def pipes_dir(self) -> Path:
+        """The supervisor's folder of output pipes, there while it runs."""
+        return self.path / "pipes"
+
+    def stack_file(self, rank: int) -> Path:
+        """Where faulthandler writes every thread's stack when the launcher sends SIGUSR1."""
+        return self._rank_file(rank, "stack")
+
+    def hang_request(self, rank: int) -> Path:
+        """The named pipe the launcher writes into to ask a timed-out rank what it waits in."""
+        return self._rank_file(rank, "hang.request")
+
+    def flight_recorder_dump(self, rank: int) -> Path:
+        """torch's raw flight-recorder dump of a timed-out rank, where `torchfrtrace` reads it."""
+        return self.path / "flight_recorder" / f"rank{rank}"
 
     def facts_dir(self, rank: int) -> Path:
         return self.path / "facts" / f"rank{rank}"
 
+    @property
+    def torchrun_log(self) -> Path:
+        return self.path / "torchrun.log"
+
+    def is_bookkeeping(self, path: str) -> bool:
+        """True for the folder's own files (the ranks' outputs and records, facts, dumps, the agents'
+        outcomes, hidden temporary files): not files a rank's script wrote."""
+        folder, name = os.path.split(path)
+        own = str(self.path)
+        if folder == own:
+            return (name.startswith((".", "rank")) or name in ("outcome.json", "torchrun.log")
+                    or (name.startswith("agent") and name.endswith(".outcome.json")))
+        return path.startswith(tuple(own + os.sep + sub + os.sep for sub in ("facts", "flight_recorder", "pipes")))
+
+    # ---- written by the ranks ---------------------------------------------------------------------
+
     def write_json(self, path: Path, value: dict) -> None:
         """Write a JSON object stamped with this launch's id (the reader ignores other launches' files)."""
         write_atomically(path, json.dumps({**value, "run_id": self.run_id}).encode())
+
+    def write_identity(self, identity: RankIdentity) -> None:
+        self.write_json(self._rank_file(identity.rank, "pid"), asdict(identity))
+
+    def write_error(self, error: RankErrorRecord) -> None:
+        self.write_json(self._rank_file(error.rank, "error.json"), asdict(error))
+
+    def clear_error(self, rank: int) -> None:
+        """An earlier attempt's error, removed as a restarted rank starts."""
+        self._rank_file(rank, "error.json").unlink(missing_ok=True)
+
+    def write_exit(self, rank: int, exit_code: int) -> None:
+        self.write_json(self._rank_file(rank, "exit.json"), {"rank": rank, "exit_code": exit_code})
+
+    def write_evidence(self, rank: int, *, files_written, point_to_point, collectives) -> None:
+        self.write_json(self._rank_file(rank, "writes.json"), {"rank": rank, "files": sorted(files_written)})
+        self.write_json(self._rank_file(rank, "p2p.json"), {"rank": rank, "calls": list(point_to_point)})
+        self.write_json(self._rank_file(rank, "collectives.json"), {"rank": rank, "calls": list(collectives)})
+
+    def write_hang_answer(self, rank: int, answer: dict) -> None:
+        self.write_json(self._rank_file(rank, "hang.json"), {"rank": rank, **answer})
+
+    def remove_empty_stack_files(self, world_size: int) -> None:
+        for rank in range(world_size):
+            stack = self.stack_file(rank)
+            if stack.is_file() and stack.stat().st_size == 0:
+                stack.unlink()
+
+    def write_outcome(self, outcome: dict, agent: int | None = None) -> None:
+        """How the ranks ended as a torchrun agent saw them: the run's (agent None, the supervisor's
+        merged view) or one further agent's."""
+        self.write_json(self._outcome_file(agent), outcome)
+
+    def _outcome_file(self, agent: int | None) -> Path:
+        return self.path / ("outcome.json" if agent is None else f"agent{agent}.outcome.json")
 
     def belongs_to_this_launch(self) -> bool:
         """True while the folder's marker names this process's launch (and not a later one)."""
@@ -130,6 +262,8 @@ class RunFolder:
             LaunchError: the path exists but ddp_helpers did not make it (nothing is touched), or
                 another launch is using the folder right now.
         """
+        from .errors import LaunchError  # here: the zygote stub loads this module outside the package
+
         folder = cls(Path(path).resolve())
         target = folder.path
         if not (target / MARKER_NAME).is_file():  # ours only by our own marker: nothing else is ever emptied
@@ -150,6 +284,8 @@ class RunFolder:
 
     @staticmethod
     def _create_marked(target: Path) -> None:
+        from .errors import LaunchError
+
         if target.exists() or target.is_symlink():
             what = "a folder" if target.is_dir() else "a file"
             raise LaunchError(
@@ -206,15 +342,37 @@ class RunFolder:
         except OSError:
             return ""
 
+    def read_identity(self, rank: int) -> RankIdentity | None:
+        """What the rank's latest attempt wrote about itself, or None if it never started."""
+        return _from_json(RankIdentity, self.read_own_json(self._rank_file(rank, "pid")))
+
     def rank_pid(self, rank: int) -> int | None:
-        found = self.read_own_json(self.rank_file(rank, "pid"))
-        return found.get("pid") if found else None
+        identity = self.read_identity(rank)
+        return identity.pid if identity else None
 
-    def rank_identity(self, rank: int) -> dict:
-        """What the rank's latest attempt wrote about itself: agent, group_rank, local_rank, restart (torchrun's
-        count), attempt (how many times the rank started in this launch), world_size."""
-        return self.read_own_json(self.rank_file(rank, "pid")) or {}
-
-    def rank_pids(self, nproc: int) -> list[int]:
+    def rank_pids(self, world_size: int) -> list[int]:
         """The pids of the ranks that started (after a restart: of their latest attempt)."""
-        return [pid for pid in map(self.rank_pid, range(nproc)) if pid]
+        return [pid for pid in map(self.rank_pid, range(world_size)) if pid]
+
+    def read_error(self, rank: int) -> RankErrorRecord | None:
+        return _from_json(RankErrorRecord, self.read_own_json(self._rank_file(rank, "error.json")))
+
+    def read_exit_code(self, rank: int) -> int | None:
+        """The exit code the rank wrote as it ended; None if it did not end normally."""
+        return (self.read_own_json(self._rank_file(rank, "exit.json")) or {}).get("exit_code")
+
+    def read_evidence(self, rank: int) -> RankEvidence:
+        def calls(kind: str, key: str = "calls") -> tuple:
+            return tuple((self.read_own_json(self._rank_file(rank, kind)) or {}).get(key, ()))
+
+        return RankEvidence(files_written=calls("writes.json", "files"), point_to_point=calls("p2p.json"),
+                            collectives=calls("collectives.json"))
+
+    def read_hang_answer(self, rank: int) -> dict | None:
+        return self.read_own_json(self._rank_file(rank, "hang.json"))
+
+    def hang_answered(self, rank: int) -> bool:
+        return self._rank_file(rank, "hang.json").exists()
+
+    def read_outcome(self, agent: int | None = None) -> dict | None:
+        return self.read_own_json(self._outcome_file(agent))

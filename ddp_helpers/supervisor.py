@@ -87,7 +87,7 @@ class OutputPipes:
     """Named pipes the ranks write into, drained by one thread into capped files."""
 
     def __init__(self, folder: RunFolder, nproc: int):
-        (folder.path / "pipes").mkdir(exist_ok=True)
+        folder.pipes_dir.mkdir(exist_ok=True)
         self._selector = selectors.DefaultSelector()
         self._keepers: list[int] = []
         self._outputs: dict[int, CappedOutput] = {}
@@ -98,7 +98,7 @@ class OutputPipes:
                 read_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
                 # Held open for writing here too: the pipe never reads as ended before a rank opens it.
                 self._keepers.append(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-                self._outputs[read_fd] = CappedOutput(folder.rank_file(rank, kind))
+                self._outputs[read_fd] = CappedOutput(folder.output(rank, kind))
                 self._selector.register(read_fd, selectors.EVENT_READ)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drain, name="ddp_helpers-output", daemon=True)
@@ -268,12 +268,10 @@ def main(argv: list[str]) -> int:
             pipes.close()
         if others is not None:
             others.rendezvous_store = None
-        shutil.rmtree(folder.path / "pipes", ignore_errors=True)
+        shutil.rmtree(folder.pipes_dir, ignore_errors=True)
         shutil.rmtree(folder.path / "torchelastic", ignore_errors=True)
-        for stack in folder.path.glob("rank*.stack"):
-            if stack.stat().st_size == 0:
-                stack.unlink()  # asked for no stack: no empty file to puzzle over
-        folder.write_json(folder.path / "outcome.json", outcome)
+        folder.remove_empty_stack_files(world_size)  # asked for no stack: no empty file to puzzle over
+        folder.write_outcome(outcome)
         sys.stdout.flush()
         sys.stderr.flush()
     return 0 if outcome.get("succeeded") else 1

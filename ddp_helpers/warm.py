@@ -17,7 +17,6 @@ import select
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from . import _framing
 from .zygote import environment_mismatch, packages_fingerprint, torch_fingerprint
 
 COLD_ENV = "DDP_HELPERS_COLD"
@@ -51,8 +51,7 @@ class WarmProcess:
         conn.settimeout(ANSWER_TIMEOUT_S)  # it answers in milliseconds: no answer means stopped or wedged
         try:
             conn.connect(socket_path)
-            body = json.dumps(request).encode()
-            socket.send_fds(conn, [struct.pack("!I", len(body)) + body], list(fds))
+            _framing.send(conn, request, fds)
             answer = _read_message(conn)
         except BaseException:
             conn.close()
@@ -132,19 +131,10 @@ def _read_message(sock: socket.socket) -> dict | None:
     if not header:
         return None
     sock.setblocking(True)
-    header = _recv_exactly(sock, 4)
-    (size,) = struct.unpack("!I", header)
-    return json.loads(_recv_exactly(sock, size))
-
-
-def _recv_exactly(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise OSError("connection closed")
-        data += chunk
-    return data
+    message = _framing.receive(sock)
+    if message is None:
+        raise OSError("connection closed")
+    return message
 
 
 def _stopped(pid: int) -> bool:

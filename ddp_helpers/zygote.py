@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 
+from . import _framing
 from .processes import process_name_for, set_process_name
 from .run_folder import AGENT_PID_ENV, RUN_ID_ENV
 
@@ -158,8 +159,7 @@ def installed_fingerprint() -> dict[str, str]:
 
 
 def write_message(sock: socket.socket, message: dict) -> None:
-    body = json.dumps(message).encode()
-    sock.sendall(struct.pack("!I", len(body)) + body)
+    _framing.send(sock, message)
 
 
 def _preimport() -> None:
@@ -191,16 +191,12 @@ def _peer_uid(conn: socket.socket) -> int:
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
     data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
     try:
-        if len(data) < 4:
-            raise ValueError("short request")
-        (size,) = struct.unpack("!I", data[:4])
-        body = data[4:]
-        while len(body) < size:
-            chunk = conn.recv(size - len(body))
-            if not chunk:
-                raise ValueError("truncated request")
-            body += chunk
-        return json.loads(body), fds
+        if not data:
+            raise ValueError("empty request")
+        request = _framing.receive(conn, already=data)
+        if request is None:
+            raise ValueError("truncated request")
+        return request, fds
     except BaseException:
         for fd in fds:  # descriptors of a request that is not served
             os.close(fd)

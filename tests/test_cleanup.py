@@ -24,7 +24,11 @@ from support import DAEMON_SOURCE, listening_ports, processes_left
 
 LAUNCHING_PROCESS = textwrap.dedent(
     """
+    import signal
     import sys
+    # The stop button is SIGINT, which a Jupyter kernel always handles, whatever started the tests (a
+    # background job of a script starts with SIGINT ignored, and Python then leaves it ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from ddp_helpers import launch, make_launch_config, warm
     from ddp_helpers.config import Hardware
     from ddp_helpers.launcher import prepare_warm_launches

@@ -15,7 +15,7 @@ import pytest
 from ddp_helpers import LaunchError, RunFailed
 from ddp_helpers.cells import notebook_key
 from ddp_helpers.config import runs_root
-from ddp_helpers.run_folder import MARKER_NAME, RunFolder
+from ddp_helpers.run_folder import MARKER_NAME, RankErrorRecord, RunFolder
 from support import failure_report, run_on_cpu
 
 
@@ -101,10 +101,10 @@ def test_files_of_another_launch_are_not_read_back(tmp_path):
     with RunFolder.claim(tmp_path / "run") as folder:
         folder.start_launch("mine")
         other = RunFolder(folder.path, "someone-else")
-        other.write_json(folder.rank_file(0, "error.json"), {"type": "X", "message": "", "traceback": "", "time": 0})
-        assert folder.read_own_json(folder.rank_file(0, "error.json")) is None
-        folder.write_json(folder.rank_file(1, "error.json"), {"type": "Y"})
-        assert folder.read_own_json(folder.rank_file(1, "error.json"))["type"] == "Y"
+        other.write_error(RankErrorRecord(rank=0, time=0, type="X", message="", traceback=""))
+        assert folder.read_error(0) is None
+        folder.write_error(RankErrorRecord(rank=1, time=0, type="Y", message="", traceback=""))
+        assert folder.read_error(1).type == "Y"
 
 
 NOTEBOOK_KERNEL = textwrap.dedent(

@@ -195,16 +195,21 @@ def test_the_stop_button_ends_the_cell_with_one_line(ipython):
     # The stop button is an interrupt: the run is stopped and swept, and the learner reads one line that says
     # so, not a KeyboardInterrupt traceback through the launcher. The cell still fails ("Run All" stops).
     import _thread
+    import signal
     import threading
 
     from ddp_helpers.magic import RunStopped
 
+    # As a Jupyter kernel handles SIGINT, whatever started the tests (interrupt_main does nothing while the
+    # signal is ignored, as in a background job of a script).
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(5.0, _thread.interrupt_main)
     timer.start()
     try:
         result = run_cell(ipython, "-n 2 --backend gloo --name sleeper --out sleeper", "import time\ntime.sleep(120)\n")
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, handler)
     error = result.error_in_exec
     assert isinstance(error, RunStopped), error
     (line,) = error._render_traceback_()

@@ -5,7 +5,8 @@ from ddp_helpers.run_folder import RunFolder
 
 
 def rank_file(path, rank, kind):
-    return RunFolder(path).rank_file(rank, kind)
+    folder = RunFolder(path)
+    return folder.stack_file(rank) if kind == "stack" else folder.output(rank, kind)
 
 
 def test_complete_lines_stream_with_prefixes_and_partial_lines_wait(tmp_path, capsys):

@@ -126,7 +126,11 @@ def test_a_job_still_queued_at_the_timeout_says_it_never_started_and_why(cluster
 
 LAUNCHING_PROCESS = textwrap.dedent(
     """
+    import signal
     import sys
+    # The stop button is SIGINT, which a Jupyter kernel always handles, whatever started the tests (a
+    # background job of a script starts with SIGINT ignored, and Python then leaves it ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from ddp_helpers import launch, make_launch_config
     from ddp_helpers.config import SlurmJob
     config = make_launch_config(sys.argv[1], slurm=SlurmJob(nodes=2), nproc=2, timeout_s=200, stream=False,

@@ -285,9 +285,25 @@ import atexit, os, sys, threading, time
 rank = int(os.environ["RANK"])
 log = open(f"log{rank}.txt", "w")
 log.write("written, never closed")
+if rank == 0:
+    with open("pid_of_the_first.txt", "w") as f:
+        f.write(str(os.getpid()))
+
+def first_gone():
+    try:
+        os.kill(int(open("pid_of_the_first.txt").read()), 0)
+        return False
+    except (OSError, ValueError):
+        return True
 
 def finish_later():
     time.sleep(0.5)
+    # Rank 1 fails only once rank 0 has ended (and its agent has seen it, 0.5 s later): torchrun stops
+    # every rank still running when one fails.
+    deadline = time.monotonic() + 30
+    while rank == 1 and not first_gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5 if rank == 1 else 0)
     with open(f"thread{rank}.txt", "w") as f:
         f.write("the thread finished")
 

@@ -31,6 +31,8 @@ OUTLIER = 1.5  # a sample with any feature beyond this is dropped
 LEARNING_RATE = 0.1
 PARAMETERS = 5  # the model's: a weight of 4 and a bias
 _ANSI_COLOURS = re.compile(r"\x1b\[[0-9;]*m")
+# How py-spy says that ptrace was refused (EPERM, EACCES): trying again cannot help.
+_REFUSED = re.compile(r"Operation not permitted|Permission denied|os error (1|13)\)")
 
 
 def py_spy_dump(pid: int, until: str, timeout_s: float = 20) -> tuple[bool, str]:
@@ -46,10 +48,13 @@ def py_spy_dump(pid: int, until: str, timeout_s: float = 20) -> tuple[bool, str]
         dump = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True)
         # Plain text: a kernel's environment asks command-line tools for colours (CLICOLOR_FORCE).
         text = _ANSI_COLOURS.sub("", dump.stdout if dump.returncode == 0 else dump.stderr or dump.stdout).strip()
-        if dump.returncode != 0:
-            return False, text.split("Stack backtrace:")[0].strip()  # its message, without py-spy's own stack
-        if until in text or time.monotonic() > deadline:
-            return True, text
+        message = text.split("Stack backtrace:")[0].strip()  # py-spy's message, without its own stack
+        if dump.returncode != 0 and _REFUSED.search(message):
+            return False, message
+        if (dump.returncode == 0 and until in text) or time.monotonic() > deadline:
+            return dump.returncode == 0, text if dump.returncode == 0 else message
+        # Not there yet, or a sample taken while the process changed its frames ("Failed to copy
+        # PyFrameObject"): py-spy reads a live process, and trying again is what it takes.
         time.sleep(0.2)
 
 

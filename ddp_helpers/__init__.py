@@ -2,6 +2,7 @@
 
 Public API (see README.md):
     make_launch_config, launch, run_script   launch a script; get a RunResult
+    SlurmJob                                 make_launch_config(script, cluster=SlurmJob(nodes=2))
     RunResult, RankResult, RunFailed, LaunchError
     record, RecordError                      script side: save a value for the notebook
     %load_ext ddp_helpers                    the %%torchrun cell magic
@@ -19,7 +20,7 @@ from .recording import RecordError, record
 # Name -> module, loaded when first asked for (PEP 562): a rank never loads the launcher.
 _LAUNCHER_SIDE = {
     "LaunchConfig": "config", "make_launch_config": "config", "LaunchError": "errors", "launch": "launcher",
-    "RunResult": "result", "RankResult": "result", "RunFailed": "result",
+    "RunResult": "result", "RankResult": "result", "RunFailed": "result", "SlurmJob": "slurm",
 }
 
 
@@ -52,6 +53,6 @@ def load_ipython_extension(ipython) -> None:
 
 
 __all__ = [
-    "LaunchConfig", "LaunchError", "make_launch_config", "launch", "run_script",
+    "LaunchConfig", "LaunchError", "make_launch_config", "launch", "run_script", "SlurmJob",
     "RunResult", "RankResult", "RunFailed", "record", "RecordError", "load_ipython_extension",
 ]

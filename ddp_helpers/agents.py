@@ -16,9 +16,10 @@ import threading
 import time
 import traceback
 
-from .output import TextInFile
+from .text_in_file import TextInFile
 from .processes import ARM_PARENT_DEATH_FAILED, arm_parent_death_signal
-from .run_folder import AGENT_ENV, AGENT_GPUS_ENV, AGENT_PID_ENV, RunFolder
+from .run_folder import AGENT_ENV, AGENT_PID_ENV, RunFolder
+from .supervisor_spec import SupervisorSpec
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -52,10 +53,20 @@ def run_torchrun(argv: list[str]) -> dict:
         return {"succeeded": False, "stopped_by": signal.Signals(stopped.sigval).name}
 
 
-def agent_gpus(agent: int) -> str | None:
-    """The GPUs agent `agent` may use (CUDA_VISIBLE_DEVICES), when the launcher split them per agent."""
-    split = os.environ.get(AGENT_GPUS_ENV)
-    return split.split(";")[agent] if split else None
+def run_agent(agent: int, spec: SupervisorSpec, torchrun_argv: list[str]) -> dict:
+    """Agent `agent` of the run, in this process (agent 0 in the supervisor, the others in its forks): what it
+    observed. A stop signal, or the agent's own failure, is its outcome too."""
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
+    os.environ[AGENT_ENV] = str(agent)
+    if spec.agent_gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.agent_gpus[agent]
+    try:
+        return run_torchrun(torchrun_argv)
+    except Stopped as stopped:
+        return {"succeeded": False, "stopped_by": str(stopped)}
+    except BaseException as error:  # noqa: BLE001 - the agent itself failed: say so
+        traceback.print_exc()
+        return {"succeeded": False, "agent_error": f"{type(error).__name__}: {error}"}
 
 
 class OtherAgents:
@@ -63,14 +74,14 @@ class OtherAgents:
     has torch imported already), each in a session of its own. They wait for their torchrun arguments
     (which name the rendezvous store, made after the fork) on a pipe."""
 
-    def __init__(self, folder: RunFolder, nnodes: int):
+    def __init__(self, folder: RunFolder, spec: SupervisorSpec):
         self._folder = folder
         self.pids: list[int] = []
         self._argument_pipes: list[int] = []
         self.exit_codes: dict[int, int] = {}
         self._starting = threading.Lock()
         parent = os.getpid()
-        for agent in range(1, nnodes):
+        for agent in range(1, spec.nnodes):
             read_end, write_end = os.pipe()
             pid = os.fork()
             if pid == 0:
@@ -79,7 +90,7 @@ class OtherAgents:
                 code = 1
                 try:
                     os.setsid()
-                    code = _run_other_agent(agent, parent, read_end, folder)
+                    code = _run_other_agent(agent, parent, read_end, folder, spec)
                 finally:
                     os._exit(code)
             os.close(read_end)
@@ -169,7 +180,8 @@ def merge_outcomes(outcomes: list[dict]) -> dict:
     return merged
 
 
-def _run_other_agent(agent: int, parent_pid: int, argument_pipe: int, folder: RunFolder) -> int:
+def _run_other_agent(agent: int, parent_pid: int, argument_pipe: int, folder: RunFolder,
+                     spec: SupervisorSpec) -> int:
     """In a forked child: agent `agent` of the run. Its parent (agent 0's supervisor) sweeps at the end."""
     if arm_parent_death_signal(signal.SIGTERM, parent_pid) == ARM_PARENT_DEATH_FAILED:
         return 1
@@ -177,17 +189,7 @@ def _run_other_agent(agent: int, parent_pid: int, argument_pipe: int, folder: Ru
         torchrun_argv = json.loads(pipe.read() or b"[]")
     if not torchrun_argv:
         return 1  # the supervisor stopped before the rendezvous was set up
-    os.environ[AGENT_PID_ENV] = str(os.getpid())
-    os.environ[AGENT_ENV] = str(agent)
-    if agent_gpus(agent) is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = agent_gpus(agent)
-    try:
-        outcome = run_torchrun(torchrun_argv)
-    except Stopped as stopped:
-        outcome = {"succeeded": False, "stopped_by": str(stopped)}
-    except BaseException as error:  # noqa: BLE001 - the agent itself failed: say so
-        traceback.print_exc()
-        outcome = {"succeeded": False, "agent_error": f"{type(error).__name__}: {error}"}
+    outcome = run_agent(agent, spec, torchrun_argv)
     folder.write_outcome(outcome, agent)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -23,13 +23,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .engine import ClusterJob, LaunchRequest
 from .errors import LaunchError
 
 # Below nbmake's 300 s per-cell limit, so that the launcher's own cleanup runs before nbmake kills the kernel.
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_CPU_NPROC = 2
 MAX_NNODES = 8
-MAX_SLURM_NODES = 64
 BACKENDS = ("gloo", "nccl")
 # Variables the launcher sets itself (or torchrun sets per rank): extra_env may not override them.
 RESERVED_ENV_PREFIXES = ("DDP_HELPERS_", "TORCHELASTIC_")
@@ -104,31 +104,13 @@ def detect_hardware() -> Hardware:
 
 
 @dataclass(frozen=True)
-class SlurmJob:
-    """Where and how a launch runs on a Slurm cluster (see `slurm`).
-
-    Args:
-        nodes (int): machines; one torchrun agent on each, `nproc` ranks per machine.
-        partition (str | None): sbatch --partition; None: the cluster's default.
-        time (str | None): sbatch --time, e.g. "00:10:00"; None: the partition's default.
-        gpus_per_node (int | None): sbatch --gpus-per-node; with GPUs the ranks use nccl, one GPU each.
-        sbatch_args (tuple[str, ...]): more sbatch options, e.g. ("--account=ml", "--mem=8G").
-    """
-
-    nodes: int = 1
-    partition: str | None = None
-    time: str | None = None
-    gpus_per_node: int | None = None
-    sbatch_args: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
 class LaunchConfig:
-    """One launch of a script on `nproc` ranks under torchrun.
+    """One launch of a script on `world_size` ranks under torchrun: `nnodes` agents (machines), each
+    starting `ranks_per_agent` ranks.
 
     Args:
         script (Path): the Python file every rank runs.
-        nproc (int): number of ranks (processes) on this machine.
+        ranks_per_agent (int): ranks (processes) each agent starts (torchrun's --nproc-per-node).
         backend (str): "gloo" (CPU processes) or "nccl" (one GPU per rank).
         timeout_s (float): the run is stopped, with a stack dump of every live rank, after this long.
         run_dir (Path): per-run output (each rank's stdout/stderr, recorded facts); emptied at launch,
@@ -137,11 +119,12 @@ class LaunchConfig:
         max_restarts (int): how many times torchrun restarts all ranks after one fails (its
             --max-restarts); 0: a failure ends the run.
         nnodes (int): torchrun agents, each standing for one machine, on this machine's loopback; each
-            starts `nproc` ranks, and they meet through one c10d rendezvous: a world of nnodes x nproc.
+            starts `ranks_per_agent` ranks, and they meet through one c10d rendezvous: a world of
+            nnodes x ranks_per_agent.
         kill_rank (int | None), kill_after (str | None): SIGKILL global rank `kill_rank`, once, as soon as
             its output contains `kill_after` (as the out-of-memory killer would): for fault-tolerance demos.
-        slurm (SlurmJob | None): run as a job on a Slurm cluster instead of on this machine (`nnodes` is
-            then its number of nodes).
+        cluster (ClusterJob | None): run as a job on a cluster (`slurm.SlurmJob`) instead of on this
+            machine (`nnodes` is then its number of nodes).
         join_after (str | None): elastic membership: agents 1 .. nnodes - 1 start only once rank 0's output
             contains this text, and the rendezvous accepts 1 to nnodes agents (torchrun --nnodes 1:N); the
             running ranks are restarted in the bigger world.
@@ -155,7 +138,7 @@ class LaunchConfig:
     """
 
     script: Path
-    nproc: int
+    ranks_per_agent: int
     backend: str
     timeout_s: float
     run_dir: Path
@@ -169,7 +152,7 @@ class LaunchConfig:
     kill_rank: int | None = None
     kill_after: str | None = None
     join_after: str | None = None
-    slurm: SlurmJob | None = None
+    cluster: ClusterJob | None = None
 
     @property
     def working_dir(self) -> Path:
@@ -177,7 +160,7 @@ class LaunchConfig:
 
     @property
     def world_size(self) -> int:
-        return self.nproc * self.nnodes
+        return self.ranks_per_agent * self.nnodes
 
     def __post_init__(self) -> None:
         # Freeze the environment mapping too, so a config can be shared without surprises.
@@ -279,14 +262,15 @@ def make_launch_config(
     kill_rank: int | str | None = None,
     kill_after: str | None = None,
     join_after: str | None = None,
-    slurm: SlurmJob | None = None,
+    cluster: ClusterJob | None = None,
     hardware: Hardware | None = None,
 ) -> LaunchConfig:
     """Validate a launch request and fill in its defaults from the hardware present.
 
     Args:
         script: path of the script every rank runs; must exist.
-        nproc: ranks to start; default one per GPU with 2 or more GPUs, else 2 CPU processes.
+        nproc: ranks each agent (machine) starts; default one per GPU with 2 or more GPUs, else 2 CPU
+            processes.
         backend: "nccl" or "gloo"; default nccl when there is a GPU for each rank (and at least 2),
             gloo otherwise. With GPUs present, backend="gloo" runs CPU processes (GPUs hidden from
             the ranks), any number of them.
@@ -309,9 +293,9 @@ def make_launch_config(
             text `kill_after` (say "step 5 done"): a worker lost mid-training, for restart demos.
         join_after: start agents 1 .. nnodes - 1 only once rank 0 has printed this text: they join the
             running job (torchrun --nnodes 1:nnodes), whose ranks restart in the bigger world.
-        slurm: a SlurmJob: submit the launch to Slurm (sbatch) on `slurm.nodes` machines instead of running
-            it here. nproc defaults to slurm.gpus_per_node (nccl) or 2 CPU ranks (gloo) per node; the
-            GPUs of this machine do not matter.
+        cluster: a cluster job, such as `SlurmJob(nodes=2)`: submit the launch to a cluster instead of
+            running it here; the job checks its own options (see `slurm.SlurmJob`), and the GPUs of this
+            machine do not matter.
         hardware: the devices to plan for; detected when omitted.
 
     Raises:
@@ -334,7 +318,7 @@ def make_launch_config(
         if key == "PYTHONUNBUFFERED":
             raise LaunchError("extra_env may not set PYTHONUNBUFFERED: the launcher sets it to 1, so that every "
                               "rank's output streams into the notebook as it is printed.")
-        if key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") and slurm is None:
+        if key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") and cluster is None:
             raise LaunchError(
                 f"extra_env may not set {key} for a run on this machine: the launcher keeps gloo's and nccl's "
                 "connections on loopback (lo), so that nothing of the run is reachable from the network. On a "
@@ -346,14 +330,16 @@ def make_launch_config(
         if not working_dir.is_dir():
             raise LaunchError(f"cwd {working_dir} is not a folder. Example: cwd='.' for the notebook's folder.")
 
-    if slurm is not None:
-        from .slurm import slurm_launch_config
-
-        return slurm_launch_config(script_path, slurm, nproc=nproc, backend=backend, timeout_s=timeout_s,
-                                    run_dir=run_dir, cwd=working_dir, extra_env=env, script_args=script_args,
-                                    stream=stream, max_restarts=max_restarts,
-                                    unsupported={"nnodes": str(nnodes).strip() != "1", "kill_rank": kill_rank is not None,
-                                                 "join_after": join_after is not None})
+    if cluster is not None:
+        if not isinstance(cluster, ClusterJob):
+            raise LaunchError(f"cluster must be a cluster job such as SlurmJob(nodes=2), got {type(cluster).__name__}.")
+        given = {"nnodes": str(nnodes).strip() != "1", "kill_rank": kill_rank is not None,
+                 "kill_after": kill_after is not None, "join_after": join_after is not None}
+        return cluster.launch_config(LaunchRequest(
+            script=script_path, timeout_s=timeout_s, run_dir=Path(run_dir).expanduser().resolve() if run_dir else None,
+            cwd=working_dir, extra_env=env, script_args=tuple(str(a) for a in script_args), stream=stream,
+            max_restarts=max_restarts, nproc=nproc, backend=backend,
+            local_options=tuple(name for name, is_given in given.items() if is_given)))
     nnodes = parse_nnodes(nnodes)
     hardware = hardware or detect_hardware()
     if backend is None:
@@ -391,7 +377,7 @@ def make_launch_config(
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
     return LaunchConfig(
         script=script_path,
-        nproc=nproc,
+        ranks_per_agent=nproc,
         backend=backend,
         timeout_s=timeout_s,
         run_dir=Path(run_dir).expanduser().resolve() if run_dir else default_run_dir(script_path),

@@ -26,7 +26,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from .cells import cell_paths, notebook_key, notebook_path, write_cell_script
-from .config import DEFAULT_TIMEOUT_S, SlurmJob, make_launch_config
+from .config import DEFAULT_TIMEOUT_S, make_launch_config
 from .errors import LaunchError
 from .launcher import launch
 from .result import RunFailed
@@ -134,7 +134,7 @@ class TorchrunMagics(Magics):
                     script, nproc=args.nproc, backend=args.backend, timeout_s=args.timeout, run_dir=run_dir,
                     cwd=args.cwd, cold=args.cold, max_restarts=args.max_restarts, nnodes=args.nnodes,
                     kill_rank=args.kill_rank, kill_after=_unquoted(args.kill_after), extra_env=_variables(args.env),
-                    join_after=_unquoted(args.join_after), slurm=_slurm_job(args),
+                    join_after=_unquoted(args.join_after), cluster=_slurm_job(args),
                 )
             except LaunchError as error:
                 raise UsageError(str(error)) from None
@@ -184,12 +184,15 @@ def _asks_for_help(options: str) -> bool:
     return "--help" in words or "-h" in words
 
 
-def _slurm_job(args) -> SlurmJob | None:
+def _slurm_job(args):
+    """The --slurm options as a `SlurmJob`, or None (a run on this machine)."""
     if not args.slurm:
         if args.nodes != 1 or args.partition or args.time or args.gpus_per_node or args.sbatch_args:
             raise LaunchError("--nodes, --partition, --time, --gpus-per-node and --sbatch-args go with --slurm "
                               "(for several agents on this machine, use --nnodes).")
         return None
+    from .slurm import SlurmJob
+
     extra = tuple(shlex.split(_unquoted(args.sbatch_args) or ""))
     return SlurmJob(nodes=args.nodes, partition=args.partition, time=args.time, gpus_per_node=args.gpus_per_node,
                     sbatch_args=extra)

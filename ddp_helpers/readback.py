@@ -78,7 +78,7 @@ def collect_result(
     identities = [folder.read_identity(rank) or unknown for rank in range(config.world_size)]
     world_size = config.world_size
     if config.join_after:  # elastic: the world as large as it grew (agents that never joined left no rank)
-        world_size = max([identity.world_size for identity in identities] + [config.nproc])
+        world_size = max([identity.world_size for identity in identities] + [config.ranks_per_agent])
     for rank, identity in enumerate(identities[:world_size]):
         error = folder.read_error(rank)
         seen = failures.get(rank)

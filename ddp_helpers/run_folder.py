@@ -17,13 +17,16 @@
         flight_recorder/rank0        torch's flight-recorder dump, beside it (`torchfrtrace` reads it)
         facts/rank0/<name>.json|.pt  values recorded with `ddp_helpers.record`
         pipes/rank0.stdout           the pipes a rank writes its output into while the supervisor runs
+        supervisor.json              what the launcher asks of the supervisor (`supervisor_spec.SupervisorSpec`)
         outcome.json                 how each rank ended, as the torchrun agents saw it (the supervisor writes it)
         agent1.outcome.json          the same, from each further agent (--nnodes), merged into outcome.json
-        torchrun.log                 the agent's own output
+        torchrun.log                 the agent's own output; torchelastic/: torchrun's --log-dir, while it runs
+        slurm-<job id>.out           a Slurm job's own output
 
 No other module spells these names: each file has its methods here.
 - Paths: `output(rank, stream)`, `fifo(rank, stream)` in `pipes_dir`, `stack_file(rank)`, `hang_request(rank)`,
-  `flight_recorder_dump(rank)`, `facts_dir(rank)`, `torchrun_log`; `is_bookkeeping(path)` tells a
+  `flight_recorder_dump(rank)`, `facts_dir(rank)`, `torchrun_log`, `torchrun_log_dir`, `supervisor_spec`,
+  `slurm_log(job_id)`; `is_bookkeeping(path)` tells a
   rank's own files from the folder's.
 - Written by the ranks (light: no torch import): `from_environment()`, `write_identity(RankIdentity)`,
   `write_error(RankErrorRecord)`, `clear_error(rank)`, `write_exit(rank, code)`,
@@ -61,11 +64,8 @@ from pathlib import Path
 RUN_DIR_ENV = "DDP_HELPERS_RUN_DIR"
 RUN_ID_ENV = "DDP_HELPERS_RUN_ID"
 AGENT_PID_ENV = "DDP_HELPERS_AGENT_PID"
-# Which of the run's torchrun agents ("machines") started a rank, and the GPUs each agent may use.
+# Which of the run's torchrun agents ("machines") started a rank.
 AGENT_ENV = "DDP_HELPERS_AGENT"
-AGENT_GPUS_ENV = "DDP_HELPERS_AGENT_GPUS"
-# Elastic membership: the other agents start once rank 0 has printed this text.
-JOIN_AFTER_ENV = "DDP_HELPERS_JOIN_AFTER"
 # Starts the line a restarted rank prints first on stdout: where its new attempt begins.
 ATTEMPT_MARK = "[ddp_helpers] ---"
 MARKER_NAME = ".ddp_helpers-run"
@@ -196,13 +196,27 @@ class RunFolder:
     def torchrun_log(self) -> Path:
         return self.path / "torchrun.log"
 
+    @property
+    def torchrun_log_dir(self) -> Path:
+        """torchrun's --log-dir, removed when the run ends."""
+        return self.path / "torchelastic"
+
+    @property
+    def supervisor_spec(self) -> Path:
+        """The `SupervisorSpec` the local engine hands its supervisor."""
+        return self.path / "supervisor.json"
+
+    def slurm_log(self, job_id: str = "%j") -> Path:
+        """The job's own output (sbatch --output; Slurm writes %j as the job id)."""
+        return self.path / f"slurm-{job_id}.out"
+
     def is_bookkeeping(self, path: str) -> bool:
         """True for the folder's own files (the ranks' outputs and records, facts, dumps, the agents'
         outcomes, hidden temporary files): not files a rank's script wrote."""
         folder, name = os.path.split(path)
         own = str(self.path)
         if folder == own:
-            return (name.startswith((".", "rank")) or name in ("outcome.json", "torchrun.log")
+            return (name.startswith((".", "rank")) or name in ("outcome.json", "torchrun.log", "supervisor.json")
                     or (name.startswith("agent") and name.endswith(".outcome.json")))
         return path.startswith(tuple(own + os.sep + sub + os.sep for sub in ("facts", "flight_recorder", "pipes")))
 

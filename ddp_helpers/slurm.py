@@ -1,5 +1,6 @@
 """Running a launch as a job on a Slurm cluster: `%%torchrun --slurm --nodes 2`, or
-`launch(make_launch_config(script, slurm=SlurmJob(nodes=2)))`.
+`launch(make_launch_config(script, cluster=SlurmJob(nodes=2)))`. `SlurmJob` is the `engine.ClusterJob` (it
+validates its own options), `SlurmEngine` the engine the launcher's loop drives.
 
 What happens:
 - a plain sbatch script is written next to the cell's script (`<name>.sbatch`): one torchrun agent per
@@ -30,18 +31,17 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
-from .config import (
-    DEFAULT_CPU_NPROC, MAX_SLURM_NODES, LaunchConfig, SlurmJob, default_run_dir, parse_nproc,
-)
+from dataclasses import dataclass
+
+from .config import DEFAULT_CPU_NPROC, LaunchConfig, default_run_dir, parse_nproc
+from .engine import ClusterJob, Ending, Engine, LaunchRequest
 from .errors import LaunchError
-from .output import RankOutputStreamer, show_failures_once
-from .readback import collect_result
-from .result import NEVER_LEFT_THE_QUEUE, RunResult
+from .result import NEVER_LEFT_THE_QUEUE
 from .run_folder import RUN_DIR_ENV, RUN_ID_ENV, RunFolder
 
+MAX_SLURM_NODES = 64
 POLL_INTERVAL_S = 0.5
 # Reasons a pending job gives when it can never start as asked (more nodes, time or resources than the
 # partition or the account allows): waiting would only run into the timeout.
@@ -52,42 +52,67 @@ CANCEL_WAIT_S = 30
 _QUERY_TIMEOUT_S = 20  # squeue against a controller that is down hangs about 10 s
 
 
-def slurm_launch_config(script: Path, slurm: SlurmJob, *, nproc, backend, timeout_s, run_dir, cwd, extra_env,
-                         script_args, stream, max_restarts, unsupported: dict[str, bool]) -> LaunchConfig:
-    """A launch on a Slurm cluster: validated against the job's options, not this machine's hardware."""
-    if not isinstance(slurm, SlurmJob):
-        raise LaunchError(f"slurm must be a SlurmJob(nodes=..., partition=...), got {type(slurm).__name__}.")
-    for option, given in unsupported.items():
-        if given:
+@dataclass(frozen=True)
+class SlurmJob(ClusterJob):
+    """Where and how a launch runs on a Slurm cluster: `make_launch_config(script, cluster=SlurmJob(nodes=2))`.
+
+    Args:
+        nodes (int): machines; one torchrun agent on each, `nproc` ranks per machine.
+        partition (str | None): sbatch --partition; None: the cluster's default.
+        time (str | None): sbatch --time, e.g. "00:10:00"; None: the partition's default.
+        gpus_per_node (int | None): sbatch --gpus-per-node; with GPUs the ranks use nccl, one GPU each.
+        sbatch_args (tuple[str, ...]): more sbatch options, e.g. ("--account=ml", "--mem=8G").
+
+    nproc defaults to gpus_per_node (nccl) or 2 CPU ranks (gloo) per node.
+    """
+
+    nodes: int = 1
+    partition: str | None = None
+    time: str | None = None
+    gpus_per_node: int | None = None
+    sbatch_args: tuple[str, ...] = ()
+
+    def launch_config(self, request: LaunchRequest) -> LaunchConfig:
+        """A launch on a Slurm cluster: validated against the job's options, not this machine's hardware."""
+        for option in request.local_options:
             raise LaunchError(f"{option} is for runs on this machine; on Slurm the job's nodes are slurm.nodes "
                               "(magic: --nodes).")
-    nodes = slurm.nodes
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_SLURM_NODES:
-        raise LaunchError(f"slurm nodes must be a whole number from 1 to {MAX_SLURM_NODES}, got {nodes!r}. "
-                          "Example: --nodes 2")
-    gpus = slurm.gpus_per_node
-    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
-        raise LaunchError(f"gpus_per_node must be a whole number of GPUs (1 or more), got {gpus!r}.")
-    for name, value in (("partition", slurm.partition), ("time", slurm.time)):
-        if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_.:,\-]+", value)):
-            raise LaunchError(f"slurm {name} {value!r} is not a valid value. Example: --partition gpu --time 00:10:00")
-    if isinstance(slurm.sbatch_args, str) or not all(isinstance(arg, str) and arg.startswith("--")
-                                                     for arg in slurm.sbatch_args):
-        raise LaunchError(f"sbatch_args must be sbatch options, each as one string, got {slurm.sbatch_args!r}. "
-                          "Example: ('--account=ml', '--mem=8G')")
-    backend = backend or ("nccl" if gpus else "gloo")  # a named backend was checked by make_launch_config
-    if backend == "nccl" and not gpus:
-        raise LaunchError("backend 'nccl' on Slurm needs GPUs: give gpus_per_node (magic: --gpus-per-node).")
-    nproc = parse_nproc(nproc if nproc is not None else (gpus if backend == "nccl" else DEFAULT_CPU_NPROC))
-    if backend == "nccl" and nproc > gpus:
-        raise LaunchError(f"{nproc} ranks per node but {gpus} GPU(s) per node: with nccl each rank needs its own GPU.")
-    return LaunchConfig(
-        script=script, nproc=nproc, backend=backend, timeout_s=timeout_s,
-        run_dir=Path(run_dir).expanduser().resolve() if run_dir else default_run_dir(script),
-        extra_env=extra_env, script_args=tuple(str(a) for a in script_args), stream=stream, cwd=cwd,
-        warm=False, max_restarts=max_restarts, nnodes=nodes,
-        slurm=SlurmJob(nodes, slurm.partition, slurm.time, gpus, tuple(slurm.sbatch_args)),
-    )
+        self._check()
+        gpus = self.gpus_per_node
+        backend = request.backend or ("nccl" if gpus else "gloo")  # a named backend was checked already
+        if backend == "nccl" and not gpus:
+            raise LaunchError("backend 'nccl' on Slurm needs GPUs: give gpus_per_node (magic: --gpus-per-node).")
+        nproc = request.nproc
+        nproc = parse_nproc(nproc if nproc is not None else (gpus if backend == "nccl" else DEFAULT_CPU_NPROC))
+        if backend == "nccl" and nproc > gpus:
+            raise LaunchError(f"{nproc} ranks per node but {gpus} GPU(s) per node: with nccl each rank needs its own "
+                              "GPU.")
+        return LaunchConfig(
+            script=request.script, ranks_per_agent=nproc, backend=backend, timeout_s=request.timeout_s,
+            run_dir=request.run_dir or default_run_dir(request.script), extra_env=request.extra_env,
+            script_args=request.script_args, stream=request.stream, cwd=request.cwd, warm=False,
+            max_restarts=request.max_restarts, nnodes=self.nodes,
+            cluster=SlurmJob(self.nodes, self.partition, self.time, gpus, tuple(self.sbatch_args)),
+        )
+
+    def _check(self) -> None:
+        nodes, gpus = self.nodes, self.gpus_per_node
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_SLURM_NODES:
+            raise LaunchError(f"slurm nodes must be a whole number from 1 to {MAX_SLURM_NODES}, got {nodes!r}. "
+                              "Example: --nodes 2")
+        if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
+            raise LaunchError(f"gpus_per_node must be a whole number of GPUs (1 or more), got {gpus!r}.")
+        for name, value in (("partition", self.partition), ("time", self.time)):
+            if value is not None and (not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_.:,\-]+", value)):
+                raise LaunchError(f"slurm {name} {value!r} is not a valid value. Example: --partition gpu --time "
+                                  "00:10:00")
+        if isinstance(self.sbatch_args, str) or not all(isinstance(arg, str) and arg.startswith("--")
+                                                        for arg in self.sbatch_args):
+            raise LaunchError(f"sbatch_args must be sbatch options, each as one string, got {self.sbatch_args!r}. "
+                              "Example: ('--account=ml', '--mem=8G')")
+
+    def engine(self, config: LaunchConfig, folder: RunFolder) -> "SlurmEngine":
+        return SlurmEngine(config, folder)
 
 
 def job_script_path(config: LaunchConfig) -> Path:
@@ -96,11 +121,11 @@ def job_script_path(config: LaunchConfig) -> Path:
 
 def job_script(config: LaunchConfig, run_id: str) -> str:
     """The sbatch script for `config` (a plain one: `sbatch` it by hand and it runs the same job)."""
-    job = config.slurm
+    job = config.cluster
     python = shlex.quote(sys.executable)
     project = shlex.quote(str(Path(__file__).resolve().parent.parent))
     options = [f"--job-name=ddp-{config.script.stem}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
-               f"--output={config.run_dir / 'slurm-%j.out'}"]
+               f"--output={RunFolder(config.run_dir).slurm_log()}"]
     options += [f"--partition={job.partition}"] * bool(job.partition) + [f"--time={job.time}"] * bool(job.time)
     options += [f"--gpus-per-node={job.gpus_per_node}"] * bool(job.gpus_per_node) + list(job.sbatch_args)
     exports = {RUN_DIR_ENV: str(config.run_dir), RUN_ID_ENV: run_id, "PYTHONUNBUFFERED": "1",
@@ -126,7 +151,7 @@ def job_script(config: LaunchConfig, run_id: str) -> str:
         f"cd {shlex.quote(str(config.working_dir))}",
         "",
         f"srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 {python} -m torch.distributed.run \\",
-        f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {config.nproc} \\",
+        f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {config.ranks_per_agent} \\",
         '    --rdzv-backend c10d --rdzv-endpoint "$head_address:$port" --rdzv-id "$SLURM_JOB_ID" \\',
         f"    --max-restarts {config.max_restarts} \\",
         f"    {worker}",
@@ -186,55 +211,61 @@ def cancel(job_id: str, wait_s: float = CANCEL_WAIT_S) -> None:
         time.sleep(0.2)
 
 
-def launch_on_slurm(config: LaunchConfig, folder: RunFolder) -> RunResult:
-    """Submit, follow and collect one job (see the module docstring). The folder is claimed by the caller."""
-    run_id = uuid.uuid4().hex
-    folder.start_launch(run_id)
-    path = job_script_path(config)
-    path.write_text(job_script(config, run_id))
-    start = time.monotonic()
-    job_id = submit(path)
-    guard = subprocess.Popen([sys.executable, "-m", "ddp_helpers.slurm", "GUARD", str(os.getpid()), job_id],
-                             stdin=subprocess.DEVNULL, start_new_session=True)
-    streamer = RankOutputStreamer(folder, config.world_size, enabled=config.stream,
-                                  color=sys.stdout.isatty() or "ipykernel" in sys.modules)
-    timed_out, said, final, queued = False, None, "", ""
-    try:
-        while True:
-            state, detail = job_state(job_id)
-            if (state, detail) != said and state:
-                where = f"on {detail}" if state == "RUNNING" else f"({detail})" if detail not in ("", "None") else ""
-                print(f"[ddp_helpers] Slurm job {job_id}: {state} {where}".rstrip(), flush=True)
-                said = (state, detail)
-            streamer.poll()
-            if not state:
-                final = detail
-                break
-            if state == "PENDING" and detail.split(",")[0].strip("()") in NEVER_STARTS:
-                raise LaunchError(f"Slurm will not start job {job_id} as asked: it waits with reason {detail} "
-                                  f"(more nodes, time or resources than the partition or account allows). "
-                                  "The job was cancelled; see `scontrol show partition`.")
-            if time.monotonic() - start > config.timeout_s:
-                timed_out = True
-                if state == "PENDING":
-                    queued = f"{NEVER_LEFT_THE_QUEUE} ({detail})" if detail not in ("", "None") else NEVER_LEFT_THE_QUEUE
-                print(f"[ddp_helpers] no result after {config.timeout_s:g} s: cancelling Slurm job {job_id}.",
-                      file=sys.stderr, flush=True)
-                break
-            time.sleep(POLL_INTERVAL_S)
-    finally:  # normal end, timeout, stop button or any error: the job does not outlive the cell
-        if not final:
-            cancel(job_id)
-        guard.kill()
-        guard.wait()
-        streamer.finish()
-    log_path = config.run_dir / f"slurm-{job_id}.out"
-    result = collect_result(config, folder, returncode=0 if final == "COMPLETED" else 1,
-                            wall_time_s=time.monotonic() - start, timed_out=timed_out,
-                            launcher_log=folder.read_text(log_path), job_state=final or queued or "CANCELLED",
-                            job_id=job_id)
-    show_failures_once(streamer, result)
-    return result
+class SlurmEngine(Engine):
+    """Submits the job, says how it waits, cancels it unless it ended (see the module docstring)."""
+
+    poll_interval_s = POLL_INTERVAL_S
+
+    def __init__(self, config: LaunchConfig, folder: RunFolder):
+        self.config, self.folder = config, folder
+        self.job_id = ""
+        self._guard: subprocess.Popen | None = None
+        self._said: tuple[str, str] | None = None
+        self._final = ""  # Slurm's final state, once the job has left the queue
+        self._queued = ""  # while it waits in the queue: why (the job's state if it times out there)
+
+    def start(self, run_id: str) -> None:
+        path = job_script_path(self.config)
+        path.write_text(job_script(self.config, run_id))
+        self.job_id = submit(path)
+        self._guard = subprocess.Popen([sys.executable, "-m", "ddp_helpers.slurm", "GUARD", str(os.getpid()),
+                                        self.job_id], stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def running(self) -> bool:
+        state, detail = job_state(self.job_id)
+        if (state, detail) != self._said and state:
+            where = f"on {detail}" if state == "RUNNING" else f"({detail})" if detail not in ("", "None") else ""
+            print(f"[ddp_helpers] Slurm job {self.job_id}: {state} {where}".rstrip(), flush=True)
+            self._said = (state, detail)
+        if not state:
+            self._final = detail
+            return False
+        if state == "PENDING" and detail.split(",")[0].strip("()") in NEVER_STARTS:
+            raise LaunchError(f"Slurm will not start job {self.job_id} as asked: it waits with reason {detail} "
+                              f"(more nodes, time or resources than the partition or account allows). "
+                              "The job was cancelled; see `scontrol show partition`.")
+        waits = state == "PENDING" and detail not in ("", "None")
+        self._queued = "" if state != "PENDING" else f"{NEVER_LEFT_THE_QUEUE} ({detail})" if waits else NEVER_LEFT_THE_QUEUE
+        return True
+
+    def on_timeout(self, streamer) -> None:
+        print(f"[ddp_helpers] no result after {self.config.timeout_s:g} s: cancelling Slurm job {self.job_id}.",
+              file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        """The job does not outlive the cell: cancelled unless it ended."""
+        if self.job_id and not self._final:
+            cancel(self.job_id)
+        if self._guard is not None:
+            self._guard.kill()
+            self._guard.wait()
+
+    def ending(self) -> Ending:
+        return Ending(
+            returncode=0 if self._final == "COMPLETED" else 1,
+            launcher_log=self.folder.read_text(self.folder.slurm_log(self.job_id)) if self.job_id else "",
+            job_state=self._final or self._queued or "CANCELLED", job_id=self.job_id,
+        )
 
 
 def _guard(kernel_pid: int, job_id: str) -> int:

@@ -1,6 +1,8 @@
 """The process between the notebook's kernel and the ranks:
 
-    python -m ddp_helpers.supervisor PARENT_PID SHUTDOWN_GRACE_S -- TORCHRUN_ARGS...
+    python -m ddp_helpers.supervisor SPEC_FILE
+
+(the spec, a `SupervisorSpec`, is written into the run folder by the local engine, `local_engine.py`).
 
 It runs the torchrun agent in this very process (so the agent's own per-rank failures, exit codes
 included, are read as objects, not parsed from its printed summary), and around it:
@@ -18,7 +20,7 @@ rendezvous store (a TCPStore on a port the OS picks), forks agents 1 .. N-1 (eac
 and writes `agentK.outcome.json`), runs agent 0 itself, and they meet through
 torchrun's c10d rendezvous on that store. Output pipes, death watch and the final sweep cover every
 rank of the world. Each rank learns its agent from DDP_HELPERS_AGENT (and, on GPUs, each agent gets its
-own GPUs: DDP_HELPERS_AGENT_GPUS, "0,1;2,3").
+own GPUs: the spec's `agent_gpus`).
 
 It outlives the kernel on purpose: when the kernel dies (even by SIGKILL) it gets SIGTERM (the
 parent-death signal) and cleans up. It lives in its own session, so the notebook's stop button
@@ -30,20 +32,21 @@ from __future__ import annotations
 import os
 import selectors
 import shutil
-import socket
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
 
-from .agents import (
-    STOP_SIGNALS, JoinWhenSeen, OtherAgents, Stopped, agent_gpus, merge_outcomes, raise_stopped, run_torchrun,
-)
+from pathlib import Path
+
+from .agents import STOP_SIGNALS, JoinWhenSeen, OtherAgents, Stopped, merge_outcomes, raise_stopped, run_agent
 from .processes import (
     ARM_PARENT_DEATH_FAILED, arm_parent_death_signal, kill_marked, kill_process_groups, process_is_dead,
 )
-from .run_folder import AGENT_ENV, AGENT_PID_ENV, JOIN_AFTER_ENV, OUTPUT_KEEP_BYTES, RUN_ID_ENV, RunFolder
+from .run_folder import OUTPUT_KEEP_BYTES, RUN_ID_ENV, RunFolder
+from .supervisor_spec import SupervisorSpec
 
 
 class CappedOutput:
@@ -86,12 +89,12 @@ class CappedOutput:
 class OutputPipes:
     """Named pipes the ranks write into, drained by one thread into capped files."""
 
-    def __init__(self, folder: RunFolder, nproc: int):
+    def __init__(self, folder: RunFolder, world_size: int):
         folder.pipes_dir.mkdir(exist_ok=True)
         self._selector = selectors.DefaultSelector()
         self._keepers: list[int] = []
         self._outputs: dict[int, CappedOutput] = {}
-        for rank in range(nproc):
+        for rank in range(world_size):
             for kind in ("stdout", "stderr"):
                 fifo = folder.fifo(rank, kind)
                 os.mkfifo(fifo, 0o600)
@@ -134,9 +137,9 @@ class OutputPipes:
 class DeathWatcher:
     """Notes the time each rank's process is first seen dead (exited or killed), every 20 ms."""
 
-    def __init__(self, folder: RunFolder, nproc: int):
+    def __init__(self, folder: RunFolder, world_size: int):
         self._folder = folder
-        self._nproc = nproc
+        self._world_size = world_size
         self.died_at: dict[int, float] = {}
         self._pids: dict[int, int] = {}
         self._stop = threading.Event()
@@ -149,7 +152,7 @@ class DeathWatcher:
 
     def look(self) -> None:
         now = time.time()
-        for rank in range(self._nproc):
+        for rank in range(self._world_size):
             known = self._pids.get(rank)
             if known is not None and not process_is_dead(known):
                 continue  # running: nothing to read
@@ -167,10 +170,6 @@ class DeathWatcher:
         self._stop.set()
         self._thread.join()
         self.look()
-
-
-def _option(argv: list[str], name: str) -> str:
-    return argv[argv.index(name) + 1]
 
 
 def keep_agent_stores_on_loopback() -> None:
@@ -199,81 +198,98 @@ def loopback_store(port: int = 0, multi_tenant: bool = False):
                         multi_tenant=multi_tenant, master_listen_fd=os.dup(listener.fileno()))
 
 
-def main(argv: list[str]) -> int:
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, raise_stopped)
-    parent_pid, grace_s, separator, *torchrun_argv = argv
-    assert separator == "--", "usage: python -m ddp_helpers.supervisor PARENT_PID GRACE_S -- TORCHRUN_ARGS..."
-    # The kernel's death reaches us as SIGTERM: we stop the run, then exit.
-    if arm_parent_death_signal(signal.SIGTERM, int(parent_pid)) == ARM_PARENT_DEATH_FAILED:
-        return 1  # the kernel died before we were ready: nothing was started
-    os.environ[AGENT_PID_ENV] = str(os.getpid())
-    os.environ[AGENT_ENV] = "0"
-    keep_agent_stores_on_loopback()  # before the other agents are forked: theirs too
-    os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(float(grace_s)))
-    folder = RunFolder.from_environment()
-    nnodes = int(_option(torchrun_argv, "--nnodes").split(":")[-1])  # "2", or "1:2" when agents join later
-    world_size = int(_option(torchrun_argv, "--nproc-per-node")) * nnodes
-    outcome: dict = {"succeeded": False}
-    pipes = watcher = others = own_store = None
-    try:
-        if nnodes > 1:
-            others = OtherAgents(folder, nnodes)  # forked first, while this process has a single thread
-        pipes = OutputPipes(folder, world_size)
-        watcher = DeathWatcher(folder, world_size)
+class SupervisedRun:
+    """One launch as the supervisor runs it: agent 0 here, the others forked; whatever happens, the sweep."""
+
+    def __init__(self, spec: SupervisorSpec, folder: RunFolder):
+        self.spec, self.folder = spec, folder
+        self.pipes: OutputPipes | None = None
+        self.watcher: DeathWatcher | None = None
+        self.others: OtherAgents | None = None
+        self._own_store = None
+
+    def run(self) -> dict:
+        """Run the launch to its end, stop everything of it, write `outcome.json`; return the outcome."""
+        outcome: dict = {"succeeded": False}
+        try:
+            outcome = self._run_agents()
+        except Stopped as stopped:
+            outcome = {"succeeded": False, "stopped_by": str(stopped)}
+            if self.others is not None:  # stopped because another agent failed: its outcome tells which rank
+                self.others.wait(timeout_s=0, grace_s=self.spec.shutdown_grace_s)
+                outcome = merge_outcomes([outcome, *self.others.outcomes()])
+        except BaseException as error:  # noqa: BLE001 - the supervisor itself failed: say so, still clean up
+            traceback.print_exc()
+            outcome = {"succeeded": False, "agent_error": f"{type(error).__name__}: {error}"}
+        finally:
+            for signum in STOP_SIGNALS:  # cleanup is not to be interrupted; the launcher's last resort is SIGKILL
+                signal.signal(signum, signal.SIG_IGN)
+            self._sweep(outcome)
+        return outcome
+
+    def _run_agents(self) -> dict:
+        spec = self.spec
+        if spec.nnodes > 1:
+            self.others = OtherAgents(self.folder, spec)  # forked first, while this process has a single thread
+        self.pipes = OutputPipes(self.folder, spec.world_size)
+        self.watcher = DeathWatcher(self.folder, spec.world_size)
         # The rendezvous store, hosted here for every agent: its port is chosen by the OS, so launches never
         # collide, and it is bound to loopback (torchrun's --standalone store listens on every interface).
         store = loopback_store()
-        port = store.port
-        # last_call_timeout: once the minimum of agents is there, how long to wait for more (default 30 s).
-        torchrun_argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                         "--rdzv-id", os.environ[RUN_ID_ENV], "--rdzv-conf", "is_host=false,last_call_timeout=1",
-                         *torchrun_argv]
-        if others is None:
-            own_store = store  # noqa: F841 - kept (open) for the run
+        torchrun_argv = spec.torchrun_argv(store.port)
+        if self.others is None:
+            self._own_store = store  # kept open for the run
         else:
-            others.rendezvous_store = store  # the only reference: closed when an agent fails (OtherAgents._reap)
-        del store
-        if nnodes > 1:
-            if agent_gpus(0) is not None:
-                os.environ["CUDA_VISIBLE_DEVICES"] = agent_gpus(0)
-            if os.environ.get(JOIN_AFTER_ENV):
-                JoinWhenSeen(folder, os.environ[JOIN_AFTER_ENV], lambda argv=torchrun_argv: others.start(argv))
+            self.others.rendezvous_store = store  # the only reference: closed when an agent fails (OtherAgents._reap)
+            if spec.join_after:
+                JoinWhenSeen(self.folder, spec.join_after, lambda: self.others.start(torchrun_argv))
             else:
-                others.start(torchrun_argv)
-        outcome = run_torchrun(torchrun_argv)
-        if others is not None:
+                self.others.start(torchrun_argv)
+        del store
+        outcome = run_agent(0, spec, torchrun_argv)
+        if self.others is not None:
             # Agent 0 failed: the others would wait for it at the exit barrier. Else they are ending too.
-            others.wait(timeout_s=0 if not outcome.get("succeeded") else float(grace_s) + 2, grace_s=float(grace_s))
-            outcome = merge_outcomes([outcome, *others.outcomes()])
-    except Stopped as stopped:
-        outcome = {"succeeded": False, "stopped_by": str(stopped)}
-        if others is not None:  # stopped because another agent failed: its outcome tells which rank
-            others.wait(timeout_s=0, grace_s=float(grace_s))
-            outcome = merge_outcomes([outcome, *others.outcomes()])
-    except BaseException as error:  # noqa: BLE001 - the agent itself failed: say so, still clean up
-        traceback.print_exc()
-        outcome = {"succeeded": False, "agent_error": f"{type(error).__name__}: {error}"}
-    finally:
-        for signum in STOP_SIGNALS:  # cleanup is not to be interrupted; the launcher's last resort is SIGKILL
-            signal.signal(signum, signal.SIG_IGN)
-        if others is not None:
-            others.wait(timeout_s=0, grace_s=float(grace_s))  # stopping: they stop their ranks, then we sweep
-        kill_marked(os.environ[RUN_ID_ENV], RUN_ID_ENV)
+            self.others.wait(timeout_s=spec.shutdown_grace_s + 2 if outcome.get("succeeded") else 0,
+                             grace_s=spec.shutdown_grace_s)
+            outcome = merge_outcomes([outcome, *self.others.outcomes()])
+        return outcome
+
+    def _sweep(self, outcome: dict) -> None:
+        """Stop every process of the run, close the pipes, and write the outcome."""
+        folder, world_size = self.folder, self.spec.world_size
+        if self.others is not None:
+            self.others.wait(timeout_s=0, grace_s=self.spec.shutdown_grace_s)  # they stop their ranks, then we sweep
+        kill_marked(self.spec.run_id, RUN_ID_ENV)
         kill_process_groups(folder.rank_pids(world_size))
-        if watcher is not None:
-            watcher.stop()
-            outcome["died_at"] = watcher.died_at
-        if pipes is not None:
-            pipes.close()
-        if others is not None:
-            others.rendezvous_store = None
+        if self.watcher is not None:
+            self.watcher.stop()
+            outcome["died_at"] = self.watcher.died_at
+        if self.pipes is not None:
+            self.pipes.close()
+        if self.others is not None:
+            self.others.rendezvous_store = None
+        self._own_store = None
         shutil.rmtree(folder.pipes_dir, ignore_errors=True)
-        shutil.rmtree(folder.path / "torchelastic", ignore_errors=True)
+        shutil.rmtree(self.spec.log_dir, ignore_errors=True)
         folder.remove_empty_stack_files(world_size)  # asked for no stack: no empty file to puzzle over
         folder.write_outcome(outcome)
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+def main(argv: list[str]) -> int:
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, raise_stopped)
+    if len(argv) != 1:
+        print("usage: python -m ddp_helpers.supervisor SPEC_FILE (a supervisor spec in a run folder)", file=sys.stderr)
+        return 2
+    spec = SupervisorSpec.read(argv[0])
+    # The kernel's death reaches us as SIGTERM: we stop the run, then exit.
+    if arm_parent_death_signal(signal.SIGTERM, spec.parent_pid) == ARM_PARENT_DEATH_FAILED:
+        return 1  # the kernel died before we were ready: nothing was started
+    keep_agent_stores_on_loopback()  # before the other agents are forked: theirs too
+    os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(spec.shutdown_grace_s))
+    outcome = SupervisedRun(spec, RunFolder(Path(argv[0]).parent, spec.run_id)).run()
     return 0 if outcome.get("succeeded") else 1
 
 

@@ -15,18 +15,18 @@ def script(write_script):
 
 def test_without_gpus_the_default_is_two_gloo_cpu_ranks(script):
     config = make_launch_config(script, hardware=NO_GPU)
-    assert (config.nproc, config.backend) == (2, "gloo")
+    assert (config.ranks_per_agent, config.backend) == (2, "gloo")
     assert "CUDA_VISIBLE_DEVICES" not in config.extra_env
 
 
 def test_with_gpus_the_default_is_one_nccl_rank_per_gpu(script):
     config = make_launch_config(script, hardware=TWO_GPUS)
-    assert (config.nproc, config.backend) == (2, "nccl")
+    assert (config.ranks_per_agent, config.backend) == (2, "nccl")
 
 
 def test_gloo_on_a_gpu_machine_hides_the_gpus_from_the_ranks(script):
     config = make_launch_config(script, nproc=4, backend="gloo", hardware=TWO_GPUS)
-    assert config.nproc == 4
+    assert config.ranks_per_agent == 4
     assert config.extra_env["CUDA_VISIBLE_DEVICES"] == ""
 
 
@@ -37,7 +37,7 @@ def test_bad_nproc_is_refused_with_an_example(script, nproc):
 
 
 def test_nproc_given_as_text_is_accepted(script):
-    assert make_launch_config(script, nproc=" 3 ", hardware=NO_GPU).nproc == 3
+    assert make_launch_config(script, nproc=" 3 ", hardware=NO_GPU).ranks_per_agent == 3
 
 
 def test_more_nccl_ranks_than_gpus_names_the_cpu_option(script):
@@ -69,7 +69,7 @@ def test_timeout_must_be_positive(script, timeout):
 def test_config_is_frozen_including_its_environment(script):
     config = make_launch_config(script, extra_env={"A": "1"}, hardware=NO_GPU)
     with pytest.raises(AttributeError):
-        config.nproc = 8
+        config.ranks_per_agent = 8
     with pytest.raises(TypeError):
         config.extra_env["A"] = "2"
 
@@ -112,7 +112,7 @@ ONE_GPU = Hardware(("H200",))
 
 def test_one_gpu_is_no_world_so_the_default_is_two_cpu_ranks(script):
     config = make_launch_config(script, hardware=ONE_GPU)
-    assert (config.nproc, config.backend) == (2, "gloo")
+    assert (config.ranks_per_agent, config.backend) == (2, "gloo")
     assert config.extra_env["CUDA_VISIBLE_DEVICES"] == ""
     assert (make_launch_config(script, nproc=1, backend="nccl", hardware=ONE_GPU).backend) == "nccl"
 
@@ -120,7 +120,7 @@ def test_one_gpu_is_no_world_so_the_default_is_two_cpu_ranks(script):
 def test_more_ranks_than_gpus_without_a_backend_run_on_the_cpu(script):
     assert make_launch_config(script, nproc=2, hardware=TWO_GPUS).backend == "nccl"
     config = make_launch_config(script, nproc=3, hardware=TWO_GPUS)
-    assert (config.nproc, config.backend) == (3, "gloo")
+    assert (config.ranks_per_agent, config.backend) == (3, "gloo")
 
 
 @pytest.mark.parametrize("nnodes", [0, -1, "two", 1.5, True, 9])
@@ -159,12 +159,12 @@ def test_bad_join_options_are_refused(script, nnodes, join_after, message):
 
 
 def test_a_slurm_launch_takes_its_defaults_from_the_job_not_this_machine(script):
-    from ddp_helpers.config import SlurmJob
+    from ddp_helpers.slurm import SlurmJob
 
-    cpu = make_launch_config(script, slurm=SlurmJob(nodes=3), hardware=TWO_GPUS)
-    assert (cpu.nproc, cpu.backend, cpu.nnodes, cpu.world_size, cpu.warm) == (2, "gloo", 3, 6, False)
-    gpu = make_launch_config(script, slurm=SlurmJob(nodes=2, gpus_per_node=8), hardware=NO_GPU)
-    assert (gpu.nproc, gpu.backend, gpu.world_size) == (8, "nccl", 16)
+    cpu = make_launch_config(script, cluster=SlurmJob(nodes=3), hardware=TWO_GPUS)
+    assert (cpu.ranks_per_agent, cpu.backend, cpu.nnodes, cpu.world_size, cpu.warm) == (2, "gloo", 3, 6, False)
+    gpu = make_launch_config(script, cluster=SlurmJob(nodes=2, gpus_per_node=8), hardware=NO_GPU)
+    assert (gpu.ranks_per_agent, gpu.backend, gpu.world_size) == (8, "nccl", 16)
 
 
 @pytest.mark.parametrize("job, options, message", [
@@ -176,19 +176,19 @@ def test_a_slurm_launch_takes_its_defaults_from_the_job_not_this_machine(script)
     ({}, {"nnodes": 2}, "nnodes is for runs on this machine"),
 ])
 def test_bad_slurm_jobs_are_refused_before_submitting(script, job, options, message):
-    from ddp_helpers.config import SlurmJob
+    from ddp_helpers.slurm import SlurmJob
 
     with pytest.raises(LaunchError, match=message):
-        make_launch_config(script, slurm=SlurmJob(**job), hardware=NO_GPU, **options)
+        make_launch_config(script, cluster=SlurmJob(**job), hardware=NO_GPU, **options)
 
 
 def test_nnodes_1_is_the_default_and_goes_with_slurm(script):
-    from ddp_helpers.config import SlurmJob
+    from ddp_helpers.slurm import SlurmJob
 
-    config = make_launch_config(script, nnodes="1", slurm=SlurmJob(nodes=2), hardware=NO_GPU)
+    config = make_launch_config(script, nnodes="1", cluster=SlurmJob(nodes=2), hardware=NO_GPU)
     assert config.nnodes == 2  # the job's nodes
     with pytest.raises(LaunchError, match="nnodes is for runs on this machine"):
-        make_launch_config(script, nnodes="2", slurm=SlurmJob(nodes=2), hardware=NO_GPU)
+        make_launch_config(script, nnodes="2", cluster=SlurmJob(nodes=2), hardware=NO_GPU)
 
 
 def test_a_record_name_too_long_for_a_file_is_one_clear_error():

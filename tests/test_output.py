@@ -51,7 +51,7 @@ def test_capped_output_keeps_the_first_and_last_bytes_and_says_how_much_was_drop
 
 
 def test_text_in_a_growing_file_is_found_also_across_two_reads(tmp_path):
-    from ddp_helpers.output import TextInFile
+    from ddp_helpers.text_in_file import TextInFile
 
     path = tmp_path / "rank0.stdout"
     watch = TextInFile(path, "step 5 done")
@@ -139,7 +139,7 @@ def test_a_held_traceback_shows_as_it_is_once_the_run_goes_on_for_seconds(tmp_pa
 
 
 def test_text_counts_as_seen_once_its_line_is_complete(tmp_path):
-    from ddp_helpers.output import TextInFile
+    from ddp_helpers.text_in_file import TextInFile
 
     out = tmp_path / "rank1.stdout"
     out.write_bytes(b"step 1 done\nready")

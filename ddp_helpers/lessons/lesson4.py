@@ -44,7 +44,7 @@ def check_resume_exercise(run: RunResult) -> ExerciseReport:
                                "'step 5 done' (keep that print line)")
         return report
     mine = _final_snapshot(run)  # read before anything else runs
-    reference = run_script(REFERENCE_SCRIPT, nproc=run.config.nproc, backend=run.backend, stream=False,
+    reference = run_script(REFERENCE_SCRIPT, nproc=run.config.ranks_per_agent, backend=run.backend, stream=False,
                            timeout_s=max(run.config.timeout_s, 60),
                            run_dir=run.run_dir.with_name(run.run_dir.name + "-reference"))
     reference.raise_for_failure()  # the checker's own script: a failure here is not the learner's

@@ -1,0 +1,265 @@
+"""The local engine: torchrun agents on this machine, started through `ddp_helpers.supervisor`.
+
+How: the engine writes a `SupervisorSpec` into the run folder and starts the supervisor, cold (a fresh
+`python -m ddp_helpers.supervisor SPEC_FILE`) or warm (forked by the zygote, which has torch imported:
+`warm.py`). The supervisor runs torchrun's agent (a c10d rendezvous on a store it hosts on loopback and a
+port the OS picks, so launches never collide and nothing listens beyond this machine) with the caller's
+own interpreter, so the ranks see the same packages as the notebook. Each rank runs the script through
+`ddp_helpers._bootstrap`.
+
+Failure handling:
+- A rank raises or is killed: torchrun stops the other ranks; the result names the rank that failed
+  first and carries its Python traceback, or the signal that killed it.
+- The run exceeds its timeout: every live rank says what it waits in, then dumps its stack (SIGUSR1,
+  faulthandler); once the dumps are written (at most STACK_DUMP_WAIT_S) the run is stopped.
+- Stopping takes at most SHUTDOWN_GRACE_S for the ranks to end on SIGTERM, then everything is killed:
+  every process of a run is gone within STOP_BOUND_S of the stop.
+- The kernel is killed outright: the supervisor (which outlives it) stops the run and sweeps.
+Whatever the ending, any process still carrying the run's marker is killed.
+
+Network: gloo and nccl sockets are kept on loopback (GLOO_SOCKET_IFNAME=lo, NCCL_SOCKET_IFNAME=lo);
+torchrun's rendezvous store (a TCPStore in the supervisor) is bound to loopback too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import hang, warm
+from .config import LaunchConfig, inherited_environment
+from .engine import Ending, Engine
+from .output import RankOutputStreamer
+from .processes import kill_marked, kill_process_groups, process_is_dead, stop_process_group
+from .run_folder import RUN_DIR_ENV, RUN_ID_ENV, RunFolder
+from .supervisor_spec import SupervisorSpec
+from .text_in_file import TextInFile
+from .warm import WarmProcess, current_umask, warm_zygote, what_happened_to_the_warm_process
+
+_STUB = str(Path(__file__).resolve().parent / "_zygote_stub.py")
+# Variables that differ from launch to launch: not part of the warm process's environment.
+RUN_ENV_KEYS = (RUN_DIR_ENV, RUN_ID_ENV)
+
+# The ranks get this long to end after SIGTERM (torchrun's --shutdown-timeout), then SIGKILL.
+SHUTDOWN_GRACE_S = 3
+# The supervisor gets this long on top to stop the agent and sweep, then it is killed too.
+_SUPERVISOR_EXTRA_S = 4
+# Every process of a stopped run is gone within this bound (stated in the README; a test holds it).
+STOP_BOUND_S = 15
+STACK_DUMP_WAIT_S = 5.0
+HANG_REPORT_WAIT_S = 5.0  # for the ranks to say what they wait in (a thread of each answers within about 1 s)
+_WAIT_STEP_S = 0.05
+
+
+def child_environment(config: LaunchConfig, run_id: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the supervisor and the ranks get: the caller's, minus any distributed settings it
+    inherited, plus `config.extra_env`, plus the run's markers and loopback-only sockets."""
+    env = inherited_environment(base)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets 1 thread per rank anyway (and warns)
+    env["MPLBACKEND"] = "Agg"  # ranks have no display; the kernel's inline backend would drag IPython in
+    if config.max_restarts or config.nnodes > 1:
+        # Without it the agent's shared store keeps the dead ranks' addresses and restarts fail to connect
+        # (pytorch issues 135712, 167288): 7 of 10 restarts failed here, 0 of 12 with it. Agents joining
+        # or leaving a rendezvous need it too.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env.update(config.extra_env)
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    env.update(
+        {
+            RUN_DIR_ENV: str(config.run_dir),
+            RUN_ID_ENV: run_id,
+            "PYTHONUNBUFFERED": "1",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "NCCL_SOCKET_IFNAME": "lo",
+        }
+    )
+    return env
+
+
+def agent_gpus(config: LaunchConfig, env: dict[str, str]) -> tuple[str, ...] | None:
+    """With nccl and several agents, each agent stands for a machine with its own GPUs: agent k gets the
+    k-th `ranks_per_agent` of them (as CUDA_VISIBLE_DEVICES)."""
+    if config.nnodes == 1 or config.backend != "nccl":
+        return None
+    visible = (env.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(config.world_size)))).split(",")
+    per_agent = config.ranks_per_agent
+    return tuple(",".join(visible[k * per_agent:(k + 1) * per_agent]) for k in range(config.nnodes))
+
+
+def supervisor_spec(config: LaunchConfig, folder: RunFolder, run_id: str, parent_pid: int, env: dict[str, str],
+                    zygote_socket: str | None = None) -> SupervisorSpec:
+    """The supervisor's spec for `config`. With a zygote, torchrun starts each worker through `_zygote_stub`
+    (no torch import), which has the zygote fork it."""
+    worker = ["-m", "ddp_helpers._bootstrap", str(config.script), *config.script_args]
+    if zygote_socket is not None:
+        worker = ["--no-python", sys.executable, "-S", "-u", _STUB, zygote_socket, *worker]
+    return SupervisorSpec(
+        parent_pid=parent_pid, run_id=run_id, shutdown_grace_s=SHUTDOWN_GRACE_S, nnodes=config.nnodes,
+        ranks_per_agent=config.ranks_per_agent, max_restarts=config.max_restarts, worker=tuple(worker),
+        log_dir=str(folder.torchrun_log_dir), join_after=config.join_after, agent_gpus=agent_gpus(config, env),
+    )
+
+
+class LocalEngine(Engine):
+    """torchrun agents on this machine, cold or warm, one or several (`config.nnodes`)."""
+
+    def __init__(self, config: LaunchConfig, folder: RunFolder):
+        self.config, self.folder = config, folder
+        self.run_id = ""
+        self.process: subprocess.Popen | WarmProcess | None = None
+        self._log = None
+        self._killer = RankKiller(config, folder) if config.kill_rank is not None else None
+
+    def start(self, run_id: str) -> None:
+        self.run_id = run_id
+        self._log = open(self.folder.torchrun_log, "wb")
+        self.process = self._start_supervisor(child_environment(self.config, run_id))
+
+    def _start_supervisor(self, env: dict[str, str]) -> subprocess.Popen | WarmProcess:
+        """Fork the supervisor from the zygote when the launch can be warm; else start a fresh interpreter."""
+        config, folder = self.config, self.folder
+        zygote = None
+        if config.warm:
+            without_cell_env = child_environment(dataclasses.replace(config, extra_env={}), self.run_id)
+            zygote = warm_zygote(env, RUN_ENV_KEYS, without_cell_env)
+        if zygote is not None:
+            supervisor_spec(config, folder, self.run_id, zygote.process.pid, env, zygote.socket_path).write(
+                folder.supervisor_spec)
+            request = {"role": "supervisor", "argv": [str(folder.supervisor_spec)], "env": env,
+                       "cwd": str(config.working_dir), "umask": current_umask()}
+            with open(os.devnull, "rb") as devnull:
+                try:
+                    return WarmProcess.start(zygote.socket_path, request,
+                                             (devnull.fileno(), self._log.fileno(), self._log.fileno()))
+                except (OSError, ValueError) as error:  # ValueError: a garbled answer
+                    zygote.note(f"the warm process could not start the run ({error})")
+        supervisor_spec(config, folder, self.run_id, os.getpid(), env).write(folder.supervisor_spec)
+        return subprocess.Popen(
+            [sys.executable, "-m", "ddp_helpers.supervisor", str(folder.supervisor_spec)],
+            env=env,
+            cwd=config.working_dir,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: the stop button's SIGINT reaches only the kernel
+        )
+
+    def running(self) -> bool:
+        if self._killer is not None:
+            self._killer.poll()
+        return self.process.poll() is None
+
+    def on_timeout(self, streamer: RankOutputStreamer) -> None:
+        dump_stacks_of_live_ranks(self.config, self.folder, streamer)
+
+    def stop(self) -> None:
+        """Bounded by STOP_BOUND_S; pressing stop again meanwhile does not cut it short."""
+        interrupted = None
+        try:
+            if self.process is not None:
+                stop_process_group(self.process, grace_s=SHUTDOWN_GRACE_S + _SUPERVISOR_EXTRA_S)
+        except KeyboardInterrupt as again:
+            interrupted = again
+        while True:
+            try:
+                kill_marked(self.run_id, RUN_ID_ENV)
+                kill_process_groups(self.folder.rank_pids(self.config.world_size))
+                if self._log is not None:
+                    self._log.close()
+                break
+            except KeyboardInterrupt as again:
+                interrupted = again
+        if interrupted is not None:
+            raise interrupted
+
+    def ending(self) -> Ending:
+        process = self.process
+        returncode = process.returncode if process is not None else None
+        if isinstance(process, WarmProcess):
+            note = what_happened_to_the_warm_process(process)
+            if note:
+                print(f"[ddp_helpers] {note}", file=sys.stderr, flush=True)
+            if process.unreported:  # the supervisor's exit code was lost with the warm process: it is its outcome's
+                returncode = 0 if (self.folder.read_outcome() or {}).get("succeeded") else 1
+        return Ending(returncode)
+
+
+class RankKiller:
+    """SIGKILLs `config.kill_rank` once, as soon as its first attempt has printed `config.kill_after`."""
+
+    def __init__(self, config: LaunchConfig, folder: RunFolder):
+        self._rank, self._text, self._folder = config.kill_rank, config.kill_after, folder
+        self._printed = TextInFile(folder.output(config.kill_rank, "stdout"), config.kill_after)
+        self.done = False
+
+    def poll(self) -> None:
+        if self.done or not self._printed.seen():
+            return
+        identity = self._folder.read_identity(self._rank)
+        if identity is not None and identity.restart == 0:
+            print(f"[ddp_helpers] killing rank {self._rank} (SIGKILL, as the out-of-memory killer would): it printed "
+                  f"{self._text!r}", file=sys.stderr, flush=True)
+            try:
+                os.kill(identity.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.done = True
+
+
+def dump_stacks_of_live_ranks(config: LaunchConfig, folder: RunFolder, streamer: RankOutputStreamer) -> None:
+    """Ask every live rank what it waits in, then for its stack (SIGUSR1: faulthandler writes rankN.stack),
+    and wait until each asked rank's dump is written (it stops growing), at most STACK_DUMP_WAIT_S."""
+    print(
+        f"[ddp_helpers] no result after {config.timeout_s:g} s: asking every live rank for its stack, "
+        "then stopping the run.",
+        file=sys.stderr,
+        flush=True,
+    )
+    live = [rank for rank in range(config.world_size)
+            if (pid := folder.rank_pid(rank)) is not None and not process_is_dead(pid)]
+    # First what each rank waits in (a thread of the rank answers), then the stacks: faulthandler reads
+    # other threads' frames unlocked, so the rank's answering thread must be idle again when it dumps.
+    reporting = hang.ask_ranks(folder, live)
+    until = time.monotonic() + HANG_REPORT_WAIT_S
+    while reporting and time.monotonic() < until:
+        streamer.poll()
+        time.sleep(_WAIT_STEP_S)
+        if all(folder.hang_answered(rank) for rank in reporting):
+            time.sleep(_WAIT_STEP_S)  # the thread is back, blocked on its pipe
+            break
+    asked = []
+    for rank in live:
+        try:
+            os.kill(folder.rank_pid(rank), signal.SIGUSR1)
+            asked.append(rank)
+        except (ProcessLookupError, PermissionError):
+            pass
+    sizes: dict[int, int] = {}
+    until = time.monotonic() + STACK_DUMP_WAIT_S
+    while asked and time.monotonic() < until:
+        streamer.poll()
+        time.sleep(_WAIT_STEP_S)
+        now = {rank: _size(folder.stack_file(rank)) for rank in asked}
+        if all(size > 0 and sizes.get(rank) == size for rank, size in now.items()):
+            break  # every dump written, none still growing
+        sizes = now
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def prepare_warm_launches(timeout_s: float = 60) -> bool:
+    """Start the warm process now and wait until it is ready, so the next launch is warm (otherwise the
+    first launch of a process starts it and runs cold). Returns True when it is ready."""
+    defaults = LaunchConfig(Path(__file__), 1, "gloo", 1.0, Path(os.sep))
+    return warm.prepare_warm_launches(child_environment(defaults, ""), RUN_ENV_KEYS, timeout_s)

@@ -245,6 +245,31 @@ def _finish_like_the_interpreter() -> None:
                 pass
 
 
+def _join_run_folder(folder: RunFolder, rank: int):
+    """Send the rank's output into the run folder, say who this attempt is, and open its stack file (returned:
+    faulthandler writes into it from its signal handler, so it must stay open)."""
+    _redirect_output(folder, rank)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # Started before in this launch: torchrun restarted the ranks (after a failure, or because an agent
+    # joined or left). The rank's output goes on in the same files: mark where this attempt begins.
+    earlier = folder.read_identity(rank)
+    attempt = (earlier.attempt if earlier else 0) + 1
+    folder.write_identity(RankIdentity(
+        rank=rank, pid=os.getpid(), agent=int(os.environ.get(AGENT_ENV) or os.environ.get("SLURM_NODEID") or 0),
+        group_rank=int(os.environ.get("GROUP_RANK", "0")), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        restart=restart, attempt=attempt, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        node=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+    ))
+    if attempt > 1:
+        print(f"{ATTEMPT_MARK} attempt {attempt} of rank {rank} begins (restart count {restart}, world "
+              f"size {os.environ.get('WORLD_SIZE')})")
+    folder.clear_error(rank)  # an earlier attempt's, before a restart
+    stack_file = open(folder.stack_file(rank), "w")
+    if os.environ.get(_hang_probe.OFF_ENV) != "1":
+        _hang_probe.serve(folder, rank)
+    return stack_file
+
+
 def main() -> None:
     global _open_stack_file
     if len(sys.argv) < 2:
@@ -256,25 +281,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     folder = RunFolder.from_environment()
     if folder is not None:
-        _redirect_output(folder, rank)
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        # Started before in this launch: torchrun restarted the ranks (after a failure, or because an agent
-        # joined or left). The rank's output goes on in the same files: mark where this attempt begins.
-        earlier = folder.read_identity(rank)
-        attempt = (earlier.attempt if earlier else 0) + 1
-        folder.write_identity(RankIdentity(
-            rank=rank, pid=os.getpid(), agent=int(os.environ.get(AGENT_ENV) or os.environ.get("SLURM_NODEID") or 0),
-            group_rank=int(os.environ.get("GROUP_RANK", "0")), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            restart=restart, attempt=attempt, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-            node=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
-        ))
-        if attempt > 1:
-            print(f"{ATTEMPT_MARK} attempt {attempt} of rank {rank} begins (restart count {restart}, world "
-                  f"size {os.environ.get('WORLD_SIZE')})")
-        folder.clear_error(rank)  # an earlier attempt's, before a restart
-        _open_stack_file = open(folder.stack_file(rank), "w")
-        if os.environ.get(_hang_probe.OFF_ENV) != "1":
-            _hang_probe.serve(folder, rank)
+        _open_stack_file = _join_run_folder(folder, rank)
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, file=_open_stack_file or sys.stderr, all_threads=True)
     observer = WriteObserver(folder) if folder is not None else None

@@ -305,6 +305,23 @@ def make_launch_config(
     Example:
         >>> config = make_launch_config("train.py", nproc=2, backend="gloo")
     """
+    local_options = {"nnodes": str(nnodes).strip() != "1", "kill_rank": kill_rank is not None,
+                     "kill_after": kill_after is not None, "join_after": join_after is not None}
+    request = _checked_request(
+        script, timeout_s=timeout_s, run_dir=run_dir, cwd=cwd, extra_env=extra_env, script_args=script_args,
+        stream=stream, max_restarts=max_restarts, nproc=nproc, backend=backend,
+        local_options=tuple(name for name, given in local_options.items() if given))
+    if cluster is not None:
+        if not isinstance(cluster, ClusterJob):
+            raise LaunchError(f"cluster must be a cluster job such as SlurmJob(nodes=2), got {type(cluster).__name__}.")
+        return cluster.launch_config(request)
+    return _local_launch_config(request, nnodes=nnodes, kill_rank=kill_rank, kill_after=kill_after,
+                                join_after=join_after, cold=cold, hardware=hardware or detect_hardware())
+
+
+def _checked_request(script, *, timeout_s, run_dir, cwd, extra_env, script_args, stream, max_restarts, nproc,
+                     backend, local_options) -> LaunchRequest:
+    """What every launch checks, wherever it runs."""
     script_path = Path(script).expanduser().resolve()
     if not script_path.is_file():
         raise LaunchError(f"Script not found: {script_path}. Check the path (relative paths start at {Path.cwd()}).")
@@ -314,34 +331,22 @@ def make_launch_config(
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or not 0 <= max_restarts <= 10:
         raise LaunchError(f"max_restarts must be a whole number from 0 to 10, got {max_restarts!r}.")
     env = check_extra_env(extra_env)
-    for key in env:
-        if key == "PYTHONUNBUFFERED":
-            raise LaunchError("extra_env may not set PYTHONUNBUFFERED: the launcher sets it to 1, so that every "
-                              "rank's output streams into the notebook as it is printed.")
-        if key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") and cluster is None:
-            raise LaunchError(
-                f"extra_env may not set {key} for a run on this machine: the launcher keeps gloo's and nccl's "
-                "connections on loopback (lo), so that nothing of the run is reachable from the network. On a "
-                "cluster (--slurm), set it to the nodes' network interface."
-            )
+    if "PYTHONUNBUFFERED" in env:
+        raise LaunchError("extra_env may not set PYTHONUNBUFFERED: the launcher sets it to 1, so that every "
+                          "rank's output streams into the notebook as it is printed.")
     working_dir = None
     if cwd is not None:
         working_dir = Path(cwd).expanduser().resolve()
         if not working_dir.is_dir():
             raise LaunchError(f"cwd {working_dir} is not a folder. Example: cwd='.' for the notebook's folder.")
+    return LaunchRequest(
+        script=script_path, timeout_s=timeout_s, run_dir=Path(run_dir).expanduser().resolve() if run_dir else None,
+        cwd=working_dir, extra_env=env, script_args=tuple(str(a) for a in script_args), stream=stream,
+        max_restarts=max_restarts, nproc=nproc, backend=backend, local_options=local_options)
 
-    if cluster is not None:
-        if not isinstance(cluster, ClusterJob):
-            raise LaunchError(f"cluster must be a cluster job such as SlurmJob(nodes=2), got {type(cluster).__name__}.")
-        given = {"nnodes": str(nnodes).strip() != "1", "kill_rank": kill_rank is not None,
-                 "kill_after": kill_after is not None, "join_after": join_after is not None}
-        return cluster.launch_config(LaunchRequest(
-            script=script_path, timeout_s=timeout_s, run_dir=Path(run_dir).expanduser().resolve() if run_dir else None,
-            cwd=working_dir, extra_env=env, script_args=tuple(str(a) for a in script_args), stream=stream,
-            max_restarts=max_restarts, nproc=nproc, backend=backend,
-            local_options=tuple(name for name, is_given in given.items() if is_given)))
-    nnodes = parse_nnodes(nnodes)
-    hardware = hardware or detect_hardware()
+
+def _local_ranks(nproc, backend: str | None, nnodes: int, hardware: Hardware) -> tuple[int, str]:
+    """(ranks per agent, backend) for a run on this machine, defaults from its GPUs."""
     if backend is None:
         wanted = DEFAULT_CPU_NPROC if nproc is None else parse_nproc(nproc)
         backend = (hardware.default_backend if nproc is None
@@ -354,16 +359,31 @@ def make_launch_config(
     if nproc is None:
         nproc = max(1, hardware.gpu_count // nnodes) if backend == "nccl" else DEFAULT_CPU_NPROC
     nproc = parse_nproc(nproc)
-    if backend == "nccl":
-        if nproc * nnodes > hardware.gpu_count:
-            raise LaunchError(
-                f"{nproc * nnodes} ranks asked for but only {hardware.gpu_count} GPU(s) found: with nccl each rank "
-                f"needs its own GPU. Use nproc x nnodes <= {hardware.gpu_count}, or backend='gloo' (magic: "
-                "--backend gloo) to run the ranks as CPU processes."
-            )
+    if backend == "nccl" and nproc * nnodes > hardware.gpu_count:
+        raise LaunchError(
+            f"{nproc * nnodes} ranks asked for but only {hardware.gpu_count} GPU(s) found: with nccl each rank "
+            f"needs its own GPU. Use nproc x nnodes <= {hardware.gpu_count}, or backend='gloo' (magic: "
+            "--backend gloo) to run the ranks as CPU processes."
+        )
     if nproc * nnodes > max_cpu_ranks():
         raise LaunchError(f"{nnodes} agents x {nproc} ranks is more processes than this machine can run (at most "
                           f"{max_cpu_ranks()} ranks here). Example: --nnodes 2 --nproc 2")
+    return nproc, backend
+
+
+def _local_launch_config(request: LaunchRequest, *, nnodes, kill_rank, kill_after, join_after, cold: bool,
+                         hardware: Hardware) -> LaunchConfig:
+    """A launch on this machine: torchrun agents on loopback (see `local_engine`)."""
+    env = dict(request.extra_env)
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if key in env:
+            raise LaunchError(
+                f"extra_env may not set {key} for a run on this machine: the launcher keeps gloo's and nccl's "
+                "connections on loopback (lo), so that nothing of the run is reachable from the network. On a "
+                "cluster (--slurm), set it to the nodes' network interface."
+            )
+    nnodes = parse_nnodes(nnodes)
+    nproc, backend = _local_ranks(request.nproc, request.backend, nnodes, hardware)
     kill_rank, kill_after = parse_kill(kill_rank, kill_after, nproc * nnodes)
     if join_after is not None:
         if nnodes < 2:
@@ -371,25 +391,12 @@ def make_launch_config(
                               "'step 5 done'")
         if not isinstance(join_after, str) or not join_after.strip() or "\n" in join_after:
             raise LaunchError(f"join_after must be a non-empty line of text rank 0 prints, got {join_after!r}.")
-
     if backend == "gloo" and hardware.gpu_count:
         # CPU ranks on a GPU machine: hide the GPUs so `torch.cuda.is_available()` picks the CPU path.
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
     return LaunchConfig(
-        script=script_path,
-        ranks_per_agent=nproc,
-        backend=backend,
-        timeout_s=timeout_s,
-        run_dir=Path(run_dir).expanduser().resolve() if run_dir else default_run_dir(script_path),
-        extra_env=env,
-        script_args=tuple(str(a) for a in script_args),
-        stream=stream,
-        cwd=working_dir,
-        warm=not cold,
-        max_restarts=max_restarts,
-        nnodes=nnodes,
-        kill_rank=kill_rank,
-        kill_after=kill_after,
-        join_after=join_after,
+        script=request.script, ranks_per_agent=nproc, backend=backend, timeout_s=request.timeout_s,
+        run_dir=request.run_dir or default_run_dir(request.script), extra_env=env, script_args=request.script_args,
+        stream=request.stream, cwd=request.cwd, warm=not cold, max_restarts=request.max_restarts, nnodes=nnodes,
+        kill_rank=kill_rank, kill_after=kill_after, join_after=join_after,
     )
-

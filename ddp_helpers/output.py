@@ -51,12 +51,12 @@ class RankOutputStreamer:
     `show_failures()` with the run's root cause: a rank's traceback is held back until then, so that it
     shows once. `show_failures_once` does the last two."""
 
-    def __init__(self, folder: RunFolder, nproc: int, enabled: bool = True, color: bool = True):
+    def __init__(self, folder: RunFolder, world_size: int, enabled: bool = True, color: bool = True):
         self._sources = [
-            (rank, kind, folder.output(rank, kind)) for rank in range(nproc) for kind in ("stdout", "stderr")
+            (rank, kind, folder.output(rank, kind)) for rank in range(world_size) for kind in ("stdout", "stderr")
         ]
         # The stack dump a rank writes when a timed-out run asks for it: shown folded, once, at the end.
-        self._stacks = {rank: folder.stack_file(rank) for rank in range(nproc)}
+        self._stacks = {rank: folder.stack_file(rank) for rank in range(world_size)}
         self._offsets = {key[:2]: 0 for key in self._sources}
         self._partial = {key[:2]: b"" for key in self._sources}
         self.enabled = enabled

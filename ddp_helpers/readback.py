@@ -72,7 +72,7 @@ def collect_result(
     finished = outcome.get("succeeded") is True
     failures = {int(rank): seen for rank, seen in (outcome.get("failures") or {}).items()}
     died_at = {int(rank): t for rank, t in (outcome.get("died_at") or {}).items()}
-    ranks = []
+    ranks: list[RankResult] = []
     # A rank that never started wrote no identity: its fields are unknown (None), its restarts 0.
     unknown = RankIdentity(rank=-1, pid=0, agent=None, group_rank=None, local_rank=None, restart=0, world_size=0)
     identities = [folder.read_identity(rank) or unknown for rank in range(config.world_size)]
@@ -80,43 +80,8 @@ def collect_result(
     if config.join_after:  # elastic: the world as large as it grew (agents that never joined left no rank)
         world_size = max([identity.world_size for identity in identities] + [config.ranks_per_agent])
     for rank, identity in enumerate(identities[:world_size]):
-        error = folder.read_error(rank)
-        seen = failures.get(rank)
-        if finished:
-            exit_code = 0
-        elif seen is not None:
-            exit_code = seen.get("exit_code")
-        elif "failures" in outcome and identity.agent in outcome.get("unfinished_agents", ()):
-            # Its agent was stopped before it could say: finished if the rank wrote how it ended, else stopped.
-            exit_code = folder.read_exit_code(rank)
-        elif "failures" in outcome:
-            exit_code = 0  # the agent listed every rank that failed; this one was not among them
-        elif not outcome:  # no agent to ask (a Slurm job): how the rank said it ended, if it could
-            exit_code = folder.read_exit_code(rank)
-        else:
-            exit_code = None
-        facts, unreadable = read_facts(folder, rank)
-        evidence = folder.read_evidence(rank)
-        ranks.append(
-            RankResult(
-                rank=rank,
-                exit_code=exit_code,
-                stdout=folder.read_text(folder.output(rank, "stdout")),
-                stderr=_stderr_with_stack(folder, rank),
-                facts=facts,
-                error=RankError(error.type, error.message, error.traceback, error.time) if error else None,
-                ended_at=error.time if error else died_at.get(rank),
-                unreadable_facts=unreadable,
-                files_written=evidence.files_written,
-                point_to_point=evidence.point_to_point,
-                collectives=evidence.collectives,
-                agent=identity.agent,
-                group_rank=identity.group_rank,
-                local_rank=identity.local_rank,
-                restart=identity.restart,
-                node=identity.node,
-            )
-        )
+        exit_code = _exit_code(folder, rank, identity, outcome, finished, failures.get(rank))
+        ranks.append(_rank_result(folder, rank, identity, exit_code, died_at.get(rank)))
     root = find_root_cause(ranks)
     if root is not None:
         ranks[root.rank] = replace(root, root_cause=True)
@@ -140,4 +105,46 @@ def collect_result(
         job_id=job_id,
         run_id=folder.run_id or "",
         hang=hang,
+    )
+
+
+def _exit_code(folder: RunFolder, rank: int, identity: RankIdentity, outcome: dict, finished: bool,
+               seen: dict | None) -> int | None:
+    """How `rank` ended: as its agent saw it (`outcome`), else as the rank wrote it, else unknown (None)."""
+    if finished:
+        return 0
+    if seen is not None:
+        return seen.get("exit_code")
+    if "failures" in outcome and identity.agent in outcome.get("unfinished_agents", ()):
+        # Its agent was stopped before it could say: finished if the rank wrote how it ended, else stopped.
+        return folder.read_exit_code(rank)
+    if "failures" in outcome:
+        return 0  # the agent listed every rank that failed; this one was not among them
+    if not outcome:  # no agent to ask (a Slurm job): how the rank said it ended, if it could
+        return folder.read_exit_code(rank)
+    return None
+
+
+def _rank_result(folder: RunFolder, rank: int, identity: RankIdentity, exit_code: int | None,
+                 died_at: float | None) -> RankResult:
+    error = folder.read_error(rank)
+    facts, unreadable = read_facts(folder, rank)
+    evidence = folder.read_evidence(rank)
+    return RankResult(
+        rank=rank,
+        exit_code=exit_code,
+        stdout=folder.read_text(folder.output(rank, "stdout")),
+        stderr=_stderr_with_stack(folder, rank),
+        facts=facts,
+        error=RankError(error.type, error.message, error.traceback, error.time) if error else None,
+        ended_at=error.time if error else died_at,
+        unreadable_facts=unreadable,
+        files_written=evidence.files_written,
+        point_to_point=evidence.point_to_point,
+        collectives=evidence.collectives,
+        agent=identity.agent,
+        group_rank=identity.group_rank,
+        local_rank=identity.local_rank,
+        restart=identity.restart,
+        node=identity.node,
     )

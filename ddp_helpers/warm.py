@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from . import _framing
-from .zygote import environment_mismatch, packages_fingerprint, torch_fingerprint
+from .warm_environment import environment_mismatch, packages_fingerprint, torch_fingerprint
 
 COLD_ENV = "DDP_HELPERS_COLD"
 ANSWER_TIMEOUT_S = 10  # the zygote answers in milliseconds; silence this long means it is stopped or wedged
@@ -157,7 +157,7 @@ def current_umask() -> int:
     return mask
 
 
-class Zygote:
+class ZygoteHandle:
     """The zygote of this process, as the launcher sees it."""
 
     def __init__(self):
@@ -248,12 +248,12 @@ class Zygote:
         self.process = None
 
 
-_ZYGOTE = Zygote()
+_ZYGOTE = ZygoteHandle()
 _STARTING = threading.Lock()
 
 
 def warm_zygote(launch_env: dict[str, str], run_env_keys: tuple[str, ...],
-                base_env: dict[str, str] | None = None) -> Zygote | None:
+                base_env: dict[str, str] | None = None) -> ZygoteHandle | None:
     """The zygote to fork this launch's supervisor from, or None (launch cold; a note says why, when the
     reason is worth knowing). Starts the zygote for later launches when there is none. `base_env`: the
     launch's environment without what this cell alone adds (its --env), which the zygote is started with."""

@@ -50,40 +50,13 @@ import time
 from . import _framing
 from .processes import process_name_for, set_process_name
 from .run_folder import AGENT_PID_ENV, RUN_ID_ENV
+from .warm_environment import installed_fingerprint
 
 # How long a client may take to send its (small) request: the zygote serves one at a time, and the
 # launcher and the stubs give up on it after their own answer timeouts (10 s and 5 s).
 CLIENT_STALL_S = 2
 # How long a supervisor gets to stop its run and sweep when the kernel dies (inside launcher.STOP_BOUND_S).
 SUPERVISOR_STOP_S = 10
-
-# Set per launch or per rank, and read later than import (when CUDA starts, a process group or a
-# rendezvous is created): they may differ between the warm process and a launch.
-RUNTIME_ENV = ("CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-RUNTIME_ENV_PREFIXES = ("DDP_HELPERS_", "TORCHELASTIC_")  # the launcher's and torchrun's own, per launch
-# Rewritten all the time by the program hosting the launcher, read by no library at import.
-VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
-
-
-def _set_by_torch_to_its_default(key: str, value: str) -> bool:
-    """True for a variable torch writes into os.environ itself, with the value it means by default: the
-    first optimizer step in a kernel sets TORCHINDUCTOR_CACHE_DIR so, which changes nothing."""
-    if key != "TORCHINDUCTOR_CACHE_DIR":
-        return False
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    return os.path.abspath(value) == os.path.abspath(default_cache_dir())
-
-
-# Read when the pre-imported modules load, where the zygote cannot see it: by native code (OpenMP, BLAS,
-# the allocator, the dynamic loader, the interpreter itself), or by a library scanning the environment for
-# its prefix (tqdm's TQDM_*).
-IMPORT_TIME_ENV_PREFIXES = (
-    "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "LD_", "MALLOC_", "CUDA_", "NCCL_", "PYTHON", "TORCH", "PYTORCH_",
-    "TQDM_", "NPY_", "NUMPY_", "LC_", "LANG", "DNNL_", "ONEDNN_", "MKLDNN_", "GLOG_", "KINETO_", "CUBLAS",
-    "CUDNN_", "HIP_", "HSA_", "ROCM_", "ROCR_",
-)
-
 
 class _EnvironmentReads(os._Environ):
     """os.environ, noting every variable Python code reads (`os.environ[...]`, `.get`, `os.getenv`, `in`)."""
@@ -103,59 +76,6 @@ def _preimport_noting_environment_reads() -> list[str]:
     finally:
         os.environ.__class__ = os._Environ
     return sorted(_EnvironmentReads.names)
-
-
-def _compared(env: dict[str, str], read: set[str] | None) -> dict[str, str]:
-    return {key: value for key, value in env.items()
-            if key not in RUNTIME_ENV and key not in VOLATILE_ENV and not key.startswith(RUNTIME_ENV_PREFIXES)
-            and (read is None or key in read or key.startswith(IMPORT_TIME_ENV_PREFIXES))
-            and not _set_by_torch_to_its_default(key, value)}
-
-
-def environment_mismatch(zygote_env: dict[str, str], launch_env: dict[str, str],
-                         read: set[str] | None = None) -> str | None:
-    """The first variable whose value differs between the warm process and a launch, as a short note, or None.
-
-    Only variables the warm process's modules read as they loaded count (`read`: those seen read by Python
-    code, plus the families native code and prefix scans read; None: every variable): a warm rank would
-    behave as if it had the warm process's value of those, where a fresh process reads its own. Any other
-    variable a rank simply finds in its environment."""
-    ours, theirs = _compared(zygote_env, read), _compared(launch_env, read)
-    for key in sorted(set(ours) | set(theirs)):
-        if ours.get(key) != theirs.get(key):
-            return f"{key}={theirs.get(key)!r} differs from the warm process's {ours.get(key)!r}"
-    return None
-
-
-def torch_fingerprint() -> str:
-    """Changes when torch is reinstalled (its version file and package folder are rewritten)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("torch")
-    folder = os.path.dirname(spec.origin)
-    stats = [os.stat(os.path.join(folder, name)) for name in ("__init__.py", "version.py")]
-    return ";".join(f"{s.st_ino}:{s.st_mtime_ns}:{s.st_size}" for s in stats)
-
-
-def packages_fingerprint() -> str:
-    """Changes when a package is installed or removed (`%pip install -e ./mylib` adds a .pth file and a
-    dist-info folder): the site-packages folders' own modification times. A process reads .pth files
-    only when it starts, so the warm process cannot see such a package; a fresh one can."""
-    import site
-
-    folders = [*site.getsitepackages(), site.getusersitepackages()]
-    stamps = []
-    for folder in folders:
-        try:
-            stamps.append(f"{folder}:{os.stat(folder).st_mtime_ns}")
-        except OSError:
-            stamps.append(f"{folder}:absent")
-    return ";".join(stamps)
-
-
-def installed_fingerprint() -> dict[str, str]:
-    """What the warm process imported from disk, as the kernel compares it with the disk now."""
-    return {"torch": torch_fingerprint(), "packages": packages_fingerprint()}
 
 
 def write_message(sock: socket.socket, message: dict) -> None:
@@ -279,7 +199,9 @@ def _fresh_randomness() -> None:
         torch.seed()
 
 
-class Zygote:
+class ZygoteServer:
+    """The zygote itself: serves fork requests on its socket, one at a time, and watches its children."""
+
     def __init__(self, folder: str):
         self.folder = folder
         self.path = os.path.join(folder, "zygote.sock")
@@ -430,7 +352,7 @@ def main(argv: list[str]) -> int:
     zygote = None
     try:
         read_at_import = _preimport_noting_environment_reads()
-        zygote = Zygote(folder)
+        zygote = ZygoteServer(folder)
         with open(os.path.join(folder, "ready"), "w") as ready:
             ready.write(json.dumps({**installed_fingerprint(), "read_at_import": read_at_import}))
         zygote.serve()

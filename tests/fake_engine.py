@@ -4,7 +4,6 @@ enough to prove that `launcher.launch` follows any engine the same way (streamin
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from dataclasses import dataclass

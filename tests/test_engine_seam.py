@@ -64,3 +64,17 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_the_supervisor_gets_one_spec_that_round_trips_through_the_run_folder(tmp_path):
+    from ddp_helpers.supervisor_spec import SupervisorSpec
+
+    spec = SupervisorSpec(parent_pid=123, run_id="abc", shutdown_grace_s=3, nnodes=2, ranks_per_agent=2, max_restarts=1,
+                          worker=("-m", "ddp_helpers._bootstrap", "train.py"), log_dir=str(tmp_path / "logs"),
+                          join_after="step 5 done", agent_gpus=("0,1", "2,3"))
+    spec.write(tmp_path / "supervisor.json")
+    assert SupervisorSpec.read(tmp_path / "supervisor.json") == spec
+    argv = spec.torchrun_argv(rendezvous_port=4321)
+    assert argv[argv.index("--nnodes") + 1] == "1:2"  # elastic: agents join later
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "127.0.0.1:4321"
+    assert argv[-3:] == ["-m", "ddp_helpers._bootstrap", "train.py"] and spec.world_size == 4

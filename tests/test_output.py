@@ -10,7 +10,7 @@ def rank_file(path, rank, kind):
 
 
 def test_complete_lines_stream_with_prefixes_and_partial_lines_wait(tmp_path, capsys):
-    streamer = RankOutputStreamer(RunFolder(tmp_path), nproc=2, color=False)
+    streamer = RankOutputStreamer(RunFolder(tmp_path), world_size=2, color=False)
     rank_file(tmp_path, 0, "stdout").write_bytes(b"first\n\nsecond without newline")
     rank_file(tmp_path, 1, "stderr").write_bytes(b"warning\n")
     streamer.poll()
@@ -24,7 +24,7 @@ def test_complete_lines_stream_with_prefixes_and_partial_lines_wait(tmp_path, ca
 
 
 def test_progress_bar_redraws_become_lines_and_finish_flushes_the_rest(tmp_path, capsys):
-    streamer = RankOutputStreamer(RunFolder(tmp_path), nproc=1, color=False)
+    streamer = RankOutputStreamer(RunFolder(tmp_path), world_size=1, color=False)
     rank_file(tmp_path, 0, "stderr").write_bytes(b"\r 10%\r 50%\r100%\nlast words")
     streamer.finish()
     assert capsys.readouterr().err == "[rank 0]  10%\n[rank 0]  50%\n[rank 0] 100%\n[rank 0] last words\n"
@@ -32,7 +32,7 @@ def test_progress_bar_redraws_become_lines_and_finish_flushes_the_rest(tmp_path,
 
 def test_disabled_streaming_prints_nothing(tmp_path, capsys):
     rank_file(tmp_path, 0, "stdout").write_bytes(b"quiet\n")
-    RankOutputStreamer(RunFolder(tmp_path), nproc=1, enabled=False).finish()
+    RankOutputStreamer(RunFolder(tmp_path), world_size=1, enabled=False).finish()
     assert capsys.readouterr().out == ""
 
 
@@ -81,7 +81,7 @@ def test_a_stack_dump_shows_the_learners_frames_and_the_collective_and_folds_the
         f'  File "{__import__("ddp_helpers").__path__[0]}/_bootstrap.py", line 300 in main\n'
     )
     rank_file(tmp_path, 1, "stack").write_text(dump)
-    streamer = RankOutputStreamer(RunFolder(tmp_path), nproc=2, color=False)
+    streamer = RankOutputStreamer(RunFolder(tmp_path), world_size=2, color=False)
     streamer.finish()
     streamer.show_stacks()
     streamer.show_stacks()  # once only
@@ -94,7 +94,7 @@ def test_a_stack_dump_shows_the_learners_frames_and_the_collective_and_folds_the
 
 
 def test_a_traceback_waits_for_the_root_cause_and_an_attempt_that_restarted_shows_one_line(tmp_path, capsys):
-    streamer = RankOutputStreamer(RunFolder(tmp_path), nproc=2, color=False)
+    streamer = RankOutputStreamer(RunFolder(tmp_path), world_size=2, color=False)
     rank_file(tmp_path, 0, "stderr").write_bytes(b'Traceback (most recent call last):\n  File "a.py", line 3, in <module>\n'
                                                  b"RuntimeError: Connection closed by peer\n")
     rank_file(tmp_path, 1, "stderr").write_bytes(b'Traceback (most recent call last):\n  File "a.py", line 5, in <module>\n'
@@ -115,7 +115,7 @@ def test_a_traceback_waits_for_the_root_cause_and_an_attempt_that_restarted_show
 
 
 def test_a_traceback_a_rank_printed_and_went_on_from_is_shown_as_printed(tmp_path, capsys):
-    streamer = RankOutputStreamer(RunFolder(tmp_path), nproc=1, color=False)
+    streamer = RankOutputStreamer(RunFolder(tmp_path), world_size=1, color=False)
     rank_file(tmp_path, 0, "stderr").write_bytes(b"Traceback (most recent call last):\nKeyError: 'x'\n")
     streamer.poll()
     rank_file(tmp_path, 0, "stdout").write_bytes(b"handled it, going on\n")
@@ -129,7 +129,7 @@ def test_a_held_traceback_shows_as_it_is_once_the_run_goes_on_for_seconds(tmp_pa
     import ddp_helpers.output as output
 
     monkeypatch.setattr(output, "HOLD_TRACEBACK_S", 0.0)
-    streamer = RankOutputStreamer(RunFolder(tmp_path), nproc=1, color=False)
+    streamer = RankOutputStreamer(RunFolder(tmp_path), world_size=1, color=False)
     rank_file(tmp_path, 0, "stderr").write_bytes(b"Traceback (most recent call last):\nKeyError: 'x'\n")
     streamer.poll()
     streamer.poll()

@@ -7,11 +7,12 @@ matplotlib.use("Agg")
 from matplotlib.colors import to_hex  # noqa: E402
 
 from ddp_helpers import plots  # noqa: E402
+from ddp_helpers.lessons import lesson2_plots, lesson3_plots, lesson4_plots  # noqa: E402
 from ddp_helpers.output import RANK_COLORS, rank_prefix  # noqa: E402
 
 
 def test_partition_plot_colours_each_cell_by_its_rank():
-    fig = plots.plot_partitions([[[0, 2], [1, 3]], [[3, 1], [0, 2]]], 4, ["epoch 0", "epoch 1"])
+    fig = lesson2_plots.plot_partitions([[[0, 2], [1, 3]], [[3, 1], [0, 2]]], 4, ["epoch 0", "epoch 1"])
     first = fig.axes[0]
     assert first.get_title() == "epoch 0"
     assert fig.get_suptitle() == "Which samples each rank sees"
@@ -22,12 +23,12 @@ def test_partition_plot_colours_each_cell_by_its_rank():
 
 
 def test_partition_plot_marks_repeated_indices():
-    fig = plots.plot_partitions([[[0, 1], [1, 2]]], 3, ["padded"])
+    fig = lesson2_plots.plot_partitions([[[0, 1], [1, 2]]], 3, ["padded"])
     assert "\u00d72" in [t.get_text() for t in fig.axes[0].texts]
 
 
 def test_gradient_agreement_plot_marks_exact_zeros_and_the_tolerance():
-    fig = plots.plot_gradient_agreement(["w", "b"], {"across ranks": [0.0, 0.0], "vs reference": [1e-8, 0.0]}, tolerance=1e-5)
+    fig = lesson2_plots.plot_gradient_agreement(["w", "b"], {"across ranks": [0.0, 0.0], "vs reference": [1e-8, 0.0]}, tolerance=1e-5)
     ax = fig.axes[0]
     assert ax.get_yscale() == "log"
     assert ax.get_ylabel().startswith("largest |difference|")
@@ -38,7 +39,7 @@ def test_gradient_agreement_plot_marks_exact_zeros_and_the_tolerance():
 def test_loss_and_weight_plots_use_rank_colours():
     fig = plots.plot_loss_per_rank([[1.0, 0.5], [0.9, 0.4], [1.1, 0.3]])
     assert [to_hex(line.get_color()) for line in fig.axes[0].lines] == list(RANK_COLORS[:3])
-    fig = plots.plot_weights_per_rank({"before": [[1, 2], [3, 4]]}, title="weights")
+    fig = lesson2_plots.plot_weights_per_rank({"before": [[1, 2], [3, 4]]}, title="weights")
     assert {to_hex(p.get_facecolor()) for p in fig.axes[0].patches} == {RANK_COLORS[0], RANK_COLORS[1]}
 
 
@@ -49,13 +50,13 @@ def test_output_prefix_uses_the_same_colour_as_the_plots():
 
 
 def test_series_that_are_not_ranks_use_colours_no_rank_uses_and_bars_leave_room():
-    fig = plots.plot_memory_and_communication([1, 2], {"DDP": [4.0, 4.0], "FSDP": [4.0, 2.0]},
+    fig = lesson3_plots.plot_memory_and_communication([1, 2], {"DDP": [4.0, 4.0], "FSDP": [4.0, 2.0]},
                                               {"DDP": {"all_reduce": 2**20}, "FSDP": {"all_gather": 2**21}})
     memory, traffic = fig.axes
     used = {to_hex(p.get_facecolor()) for ax in (memory, traffic) for p in ax.patches}
     assert used and not used & set(RANK_COLORS), used
     assert traffic.get_ylim()[1] > 2.0 * 1.2 and memory.get_ylim()[1] > 4.0 * 1.2
-    fig = plots.plot_steps_by_attempt([{"step": 0, "loss": 1.0, "attempt": 1}, {"step": 1, "loss": 0.5, "attempt": 2}])
+    fig = lesson4_plots.plot_steps_by_attempt([{"step": 0, "loss": 1.0, "attempt": 1}, {"step": 1, "loss": 0.5, "attempt": 2}])
     assert not {to_hex(line.get_color()) for line in fig.axes[0].lines} & set(RANK_COLORS)
     fig = plots.plot_bars(["a", "b"], [10.0, 65536.0], "bytes", "bytes")
     assert fig.axes[0].get_ylim()[1] >= 65536.0 * 3, "the tallest bar's label needs room"

@@ -34,8 +34,7 @@ def test_only_run_folder_spells_the_run_folders_file_names():
 
 def imports(name: str, tree: ast.Module) -> set[str]:
     """The package's modules `name` imports as it loads, leaving out `if TYPE_CHECKING:` blocks (annotations
-    only) and imports inside functions. (One lazy link is left: config imports slurm for Slurm launches,
-    until the engines sit behind one seam, issue 19.)"""
+    only) and imports inside functions."""
     package = name.rsplit(".", 1)[0] if "." in name else ""
     found = set()
 
@@ -80,3 +79,43 @@ def test_record_in_a_rank_loads_no_launcher_code():
                                "print(sorted(m for m in sys.modules if m.startswith('ddp_helpers')))"],
         capture_output=True, text=True, check=True).stdout
     assert eval(loaded) == ["ddp_helpers", "ddp_helpers.recording", "ddp_helpers.run_folder"]
+
+
+def imports_anywhere(name: str, tree: ast.Module) -> set[str]:
+    """Every package module `name` imports, in functions too (TYPE_CHECKING blocks left out)."""
+    package = name.rsplit(".", 1)[0] if "." in name else ""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            parts = package.split(".") if package else []
+            base = parts[: len(parts) - (node.level - 1)]
+            stem = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            found.update({stem} if node.module else {f"{stem}.{alias.name}".lstrip(".") for alias in node.names})
+    return found
+
+
+def test_engines_sit_behind_the_seam():
+    """Only the magic (its --slurm options) knows the Slurm engine; the launcher knows the seam and the local
+    engine; the kernel's side of warm launches does not load the zygote server; the supervisor's side loads
+    nothing of the kernel's output streaming."""
+    trees = modules()
+    knows = {name: imports_anywhere(name, tree) for name, tree in trees.items()}
+    assert sorted(name for name, found in knows.items() if "slurm" in found) == ["magic"]
+    assert "slurm" not in knows["config"] and "local_engine" not in knows["config"]
+    assert "zygote" not in knows["warm"]
+    assert "output" not in knows["agents"] and "output" not in knows["supervisor"]
+
+
+def test_no_function_is_longer_than_60_lines_without_a_reason():
+    """A function body (docstring left out) over 60 lines says why in a comment starting "Long on purpose"."""
+    long = []
+    for name, tree in modules().items():
+        source = (PACKAGE / (name.replace(".", "/") + ".py")).read_text().splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+                if body and body[-1].end_lineno - body[0].lineno + 1 > 60:
+                    text = "\n".join(source[node.lineno - 1:node.end_lineno])
+                    if "# Long on purpose:" not in text:
+                        long.append(f"{name}.{node.name}")
+    assert long == []

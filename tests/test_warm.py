@@ -347,7 +347,7 @@ def test_a_variable_torch_sets_to_its_own_default_keeps_launches_warm():
     # every later launch went cold for nothing. A different folder still means a cold launch.
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from ddp_helpers.zygote import environment_mismatch
+    from ddp_helpers.warm_environment import environment_mismatch
 
     assert environment_mismatch({}, {"TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}) is None
     assert "TORCHINDUCTOR_CACHE_DIR" in environment_mismatch({}, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/elsewhere"})
@@ -356,7 +356,7 @@ def test_a_variable_torch_sets_to_its_own_default_keeps_launches_warm():
 def test_variables_native_code_reads_at_start_up_count_even_when_no_python_code_read_them():
     # The interpreter sets its locale from LC_*/LANG, oneDNN and glog read theirs in C: the warm process
     # cannot see those reads, so the families count whatever Python code was seen reading.
-    from ddp_helpers.zygote import environment_mismatch
+    from ddp_helpers.warm_environment import environment_mismatch
 
     for name in ("LC_ALL", "LANG", "ONEDNN_VERBOSE", "GLOG_minloglevel", "OMP_NUM_THREADS"):
         assert name in (environment_mismatch({}, {name: "1"}, read=set()) or ""), name
@@ -393,7 +393,7 @@ def test_a_warm_rank_reads_its_environment_at_start_up_as_a_fresh_process(write_
     assert run.ok, failure_report(run)
     assert all(s["tmpdir"] == str(tmp_path / "tmp") for s in run.facts("seen"))
     # A variable the warm process saw read while it imported its modules: that cell launches cold.
-    from ddp_helpers.zygote import IMPORT_TIME_ENV_PREFIXES
+    from ddp_helpers.warm_environment import IMPORT_TIME_ENV_PREFIXES
 
     assert prepare_warm_launches()
     read = [name for name in warm._ZYGOTE.fingerprint["read_at_import"]

@@ -109,8 +109,6 @@ def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
     Judged against the exercise's own model, batch and seeds, computed here: the activation must have
     travelled from rank 0 to rank 1 and its gradient back (the launcher saw every send and recv), and the
     loss and both stages' gradients must equal the unsplit model's."""
-    import torch
-
     report = ExerciseReport(verdict_when_passed="All checks pass: the activation crossed from stage 0 to stage 1, its "
                                                 "gradient came back, and the pipeline computes exactly what the "
                                                 "unsplit model does.")
@@ -132,6 +130,13 @@ def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
         report.mistakes.append(f"the pipeline has two stages: run it on 2 ranks (-n 2), not {len(run.ranks)}")
         return report
     reference = exercise_reference()
+    _judge_what_crossed(run, reference, report)
+    _judge_what_it_computed(run, reference, report)
+    return report
+
+
+def _judge_what_crossed(run: RunResult, reference: dict, report: ExerciseReport) -> None:
+    """The activation went from rank 0 to rank 1, and its gradient back (as the launcher saw the sends)."""
     shape = list(reference["activation"].shape)
     sent, received = _messages(run, 0, 1, shape)
     if not sent or not received:
@@ -153,10 +158,16 @@ def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
                                "the activation")
     else:
         report.confirmed.append("the activation's gradient came back from rank 1 to rank 0")
+
+
+def _judge_what_it_computed(run: RunResult, reference: dict, report: ExerciseReport) -> None:
+    """The loss and both stages' gradients equal the unsplit model's on the exercise's batch."""
+    import torch
+
     facts = [r.facts for r in run.ranks]
     if "loss" not in facts[1] or "grads" not in facts[0] or "grads" not in facts[1]:
         report.mistakes.append("keep the record(...) lines: rank 1 records the loss, both ranks their gradients")
-        return report
+        return
     if abs(facts[1]["loss"] - reference["loss"]) > 1e-5:
         report.mistakes.append(f"stage 1's loss {facts[1]['loss']:.6f} is not the unsplit model's "
                                f"{reference['loss']:.6f} on the exercise's batch")
@@ -175,4 +186,3 @@ def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
         report.mistakes.append(f"the gradients of {wrong[0]} differ from the unsplit model's")
     else:
         report.confirmed.append("both stages' gradients equal the unsplit model's")
-    return report

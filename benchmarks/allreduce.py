@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "alpha_s": fit.alpha_s, "beta_bytes_per_s": fit.beta_bytes_per_s,
                                          "peak_bytes_per_s": peak}, indent=1))
     if args.plot:
-        from ddp_helpers.lessons.lesson6 import plot_allreduce
+        from ddp_helpers.lessons.lesson6_plots import plot_allreduce
 
         plot_allreduce(points, world_size, fit).savefig(args.plot, dpi=100)
     return 0

@@ -123,10 +123,15 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
         raise
 
 
-def _become_child(request: dict, fds: list[int]) -> None:
-    """In the forked child: turn into a fresh process for the request, run it, never return."""
+def _become_child(request: dict, fds: list[int], go: int) -> None:
+    """In the forked child: turn into a fresh process for the request, run it, never return. It starts only
+    once the zygote has told the client its pid (`go`): a client that got no answer runs the request cold,
+    and this child must then not run it too."""
     code = 1
     try:
+        if os.read(go, 1) != b"1":  # the zygote could not answer the client (or died): the client runs it
+            os._exit(1)
+        os.close(go)
         os.setsid()
         _signals_as_a_fresh_interpreter()
         signal.set_wakeup_fd(-1)
@@ -241,6 +246,7 @@ class ZygoteServer:
         except (OSError, ValueError):
             conn.close()
             return
+        go = None  # the child's start signal, written once the client has its pid
         try:
             if len(fds) != 3:
                 raise ValueError("expected 3 file descriptors")
@@ -248,17 +254,23 @@ class ZygoteServer:
                 write_message(conn, {"refused": f"the zygote has {_threads()} threads"})
                 conn.close()
                 return
+            go_read, go = os.pipe()
             pid = os.fork()
             if pid == 0:
-                _become_child(request, fds)
+                os.close(go)
+                _become_child(request, fds, go_read)
+            os.close(go_read)
             self.children[pid] = conn
             if request.get("role") == "supervisor":
                 self.supervisors.add(pid)
             write_message(conn, {"pid": pid})
+            os.write(go, b"1")
             self.selector.register(conn, selectors.EVENT_READ, pid)
         except (OSError, ValueError):
             conn.close()
         finally:
+            if go is not None:
+                os.close(go)
             for fd in fds:
                 os.close(fd)
         self._reap()  # a child that ended at once

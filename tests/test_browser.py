@@ -51,6 +51,7 @@ LESSON_EXPECTATIONS = {
     "04": ("\u2713 the final parameters are bitwise those of the run without a kill, on every rank",
            "ran twice: before the kill and again after the restart", 3),
     "05": ("\u2713 and the report names the ranks that never called it", "the run still hangs. The ranks disagree", 1),
+    "06": ("\u2713 fp16 sent exactly half the bytes in every step", "not half. Register a communication hook", 5),
 }
 # Text forms that mean a widget did not render as a widget.
 WIDGET_TEXT_FORMS = ("IntSlider(", "VBox(children", "sliders need a live Jupyter kernel")

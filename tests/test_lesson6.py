@@ -44,3 +44,81 @@ def test_the_benchmark_measures_all_reduce_on_this_machine(tmp_path):
     assert all(p["seconds"] > 0 for p in saved["points"]) and saved["beta_bytes_per_s"] > 0
     assert "alpha-beta fit: latency alpha =" in done.stdout and "busbw (GB/s)" in done.stdout
     assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+# ---- the exercise: half the bytes, the same training ----------------------------------------------------
+
+from ddp_helpers.lessons.lesson6_exercise import all_reduce_bytes, check_compression_exercise, exercise_reference, parameter_bytes  # noqa: E402
+from support import exercise_cells, failure_report, run_on_cpu  # noqa: E402
+
+WRAP = "ddp = DDP(model, device_ids=[local_rank] if device.type == \"cuda\" else None)\n"
+
+
+@pytest.fixture(scope="module")
+def given():
+    _, script, (solution, *_) = exercise_cells("06_is_it_fast.ipynb")
+    assert WRAP in script and "fp16_compress_hook" in solution
+    return script, solution
+
+
+def with_hook(script: str, lines: str) -> str:
+    """The given script with `lines` right after the DDP wrap."""
+    return script.replace(WRAP, WRAP + lines)
+
+
+def judged(write_script, source: str):
+    run = run_on_cpu(write_script("exercise", source), stream=False, timeout_s=120)
+    return run, check_compression_exercise(run)
+
+
+def test_the_given_script_trains_but_sends_every_byte(write_script, given):
+    run, report = judged(write_script, given[0])
+    assert run.ok and not report.passed, failure_report(run)
+    assert "100% of plain DDP's" in str(report) and "weights are the uncompressed training's" in str(report), str(report)
+
+
+def test_the_solution_passes_with_exactly_half_the_bytes(write_script, given):
+    run, report = judged(write_script, with_hook(given[0], given[1]))
+    assert run.ok and report.passed, f"{report}\n{failure_report(run)}"
+    sent = [size for size in all_reduce_bytes(run.ranks[0].collectives) if size > 64]
+    assert sent and set(sent) == {parameter_bytes() // 2}, sent
+
+
+POWERSGD = ("from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook\n"
+            "ddp.register_comm_hook(powerSGD_hook.PowerSGDState(process_group=None{options}), powerSGD_hook.powerSGD_hook)\n")
+# A hook that sends half of each bucket and drops the rest: half the bytes, the ranks equal, half the gradient lost.
+DROP_HALF = """def drop_half(state, bucket):
+    buffer = bucket.buffer()
+    half = buffer[: buffer.numel() // 2].div_(world_size)
+    def done(future):
+        buffer[: half.numel()] = future.value()[0]
+        buffer[half.numel():] = 0
+        return buffer
+    return dist.all_reduce(half, async_op=True).get_future().then(done)
+ddp.register_comm_hook(None, drop_half)
+"""
+@pytest.mark.parametrize("fix, said", [
+    (POWERSGD.format(options=""), "not half. Register a communication hook"),
+    (POWERSGD.format(options=", matrix_approximation_rank=1, start_powerSGD_iter=2"), "hook changed what the model learns"),
+    (DROP_HALF, "hook changed what the model learns"),
+], ids=["powersgd-defaults", "powersgd-compressing", "drop-half-the-gradient"])
+def test_wrong_fixes_fail(write_script, given, fix, said):
+    run, report = judged(write_script, with_hook(given[0], fix))
+    assert run.ok and not report.passed and said in str(report), f"{report}\n{failure_report(run)}"
+
+
+def test_training_apart_and_averaging_once_fails(write_script, given):
+    """Local SGD: no communication in the steps (no_sync), the weights averaged once at the end."""
+    script = given[0]
+    loop = script[script.index("for step in range(STEPS):"):script.index('print(f"rank {rank}')]
+    apart = "with ddp.no_sync():\n" + "".join("    " + line for line in loop.splitlines(keepends=True))
+    average = "for p in model.parameters():\n    dist.all_reduce(p.data)\n    p.data /= world_size\n"
+    run, report = judged(write_script, script.replace(loop, apart + average))
+    assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
+    assert "every step must average the gradients" in str(report), str(report)
+
+
+def test_the_reference_is_refused_inside_a_rank(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    with pytest.raises(RuntimeError, match="the checker's answer"):
+        exercise_reference(2)

@@ -8,6 +8,8 @@ import textwrap
 import pytest
 
 from ddp_helpers import warm
+from ddp_helpers.config import default_run_dir
+from ddp_helpers.run_folder import RunFolder
 from ddp_helpers.launcher import prepare_warm_launches
 from support import DAEMON_SOURCE, failure_report, run_on_cpu
 
@@ -435,6 +437,7 @@ def test_a_stopped_warm_process_is_noticed_and_replaced(write_script, capsys):
     script = write_script("short", """
         import os, time
         from ddp_helpers import record
+        print("sleeping", flush=True)
         time.sleep(float(os.environ.get("SLEEP_S", "0")))
         record("parent", os.getppid())
     """)
@@ -450,12 +453,15 @@ def test_a_stopped_warm_process_is_noticed_and_replaced(write_script, capsys):
         assert prepare_warm_launches() and warm._ZYGOTE.process.pid != stopped.pid
         zygote = warm._ZYGOTE.process
         results = []
+        script = write_script("short_again", script.read_text())  # a run folder no earlier run printed into
         thread = threading.Thread(target=lambda: results.append(
             run_on_cpu(script, timeout_s=60, stream=False, extra_env={"SLEEP_S": "3"})))
         thread.start()
-        children = f"/proc/{zygote.pid}/task/{zygote.pid}/children"
+        # Stop the warm process once both ranks run their script (forked, and told to start).
+        folder = RunFolder(default_run_dir(script))
         deadline = time.monotonic() + 30
-        while len(open(children).read().split()) < 3 and time.monotonic() < deadline:  # supervisor and 2 ranks
+        while (not all("sleeping" in folder.read_text(folder.output(r, "stdout")) for r in (0, 1))
+               and time.monotonic() < deadline):
             time.sleep(0.05)
         os.kill(zygote.pid, signal.SIGSTOP)
         thread.join(timeout=60)

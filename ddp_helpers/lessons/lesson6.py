@@ -1,5 +1,5 @@
-"""Lesson 6 (is it fast?): what an all-reduce costs here, as nccl-tests define it, and the alpha-beta model
-fitted to it.
+"""Lesson 6 (is it fast?): what an all-reduce costs here, as nccl-tests define it, the alpha-beta model
+fitted to it, and where a DDP step's time goes (`StepBreakdown`).
 
 Bandwidths (nccl-tests, doc/PERFORMANCE.md): algorithm bandwidth = bytes / time; bus bandwidth = algorithm
 bandwidth x 2(W-1)/W for an all-reduce, the factor of a ring all-reduce, in which each rank sends and
@@ -10,6 +10,7 @@ the algorithm bandwidth a large payload reaches.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,27 +75,62 @@ def table(points: list[dict], world_size: int, fit: AlphaBeta) -> str:
     return "\n".join(rows)
 
 
-def plot_allreduce(points: list[dict], world_size: int, fit: AlphaBeta):
-    """Time and bus bandwidth against payload, measured and as the fitted model predicts (log-log)."""
-    import matplotlib.pyplot as plt
+# Published all-reduce bus bandwidths, for the plot: someone else's hardware, with the source.
+PUBLISHED_BUS_BANDWIDTH = (
+    ("8 x H100 SXM5, NVLink 4 (H200's link too)", 470e9,
+     "nccl-tests busbw at large sizes, 460-480 GB/s: Alaya New, 'NCCL-tests in practice' (2026)"),
+    ("2 nodes x 8 H200 NVL, 4 x ConnectX-7 RoCE", 35e9,
+     "nccl-tests busbw at >= 1 GB, about 35 GB/s: kubernetes.recipes, 'NCCL all-reduce benchmarking on multi-node GPUs'"),
+)
 
-    from ..plots import series_color
 
-    measured = bandwidths(points, world_size)
-    sizes = [p["bytes"] for p in measured]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    left.loglog(sizes, [p["seconds"] * 1e6 for p in measured], "o", color=series_color(0), label="measured")
-    left.loglog(sizes, [fit.predict(s) * 1e6 for s in sizes], "-", color=series_color(1),
-                label=f"alpha + bytes / beta ({fit.alpha_s * 1e6:.0f} us, {fit.beta_bytes_per_s / 1e9:.2f} GB/s)")
-    left.set_xlabel("payload (bytes)")
-    left.set_ylabel("time (us)")
-    left.legend(fontsize=8, frameon=False)
-    right.semilogx(sizes, [p["busbw"] / 1e9 for p in measured], "o-", color=series_color(0), label="measured")
-    right.semilogx(sizes, [s / fit.predict(s) * ring_factor(world_size) / 1e9 for s in sizes], "-",
-                   color=series_color(1), label="model")
-    right.set_xlabel("payload (bytes)")
-    right.set_ylabel("bus bandwidth (GB/s)")
-    right.legend(fontsize=8, frameon=False)
-    fig.suptitle(f"all_reduce on {world_size} ranks", fontsize=10, x=0.01, ha="left")
-    fig.tight_layout()
-    return fig
+MIN_TOLERANCE = 0.15  # below this, a run's spread is not a fair measure of its noise (too few repetitions)
+
+
+def spread(values: list[float]) -> float:
+    """The interquartile range relative to the median: how much repeated measurements of one thing vary."""
+    q1, median, q3 = statistics.quantiles(values, n=4)
+    return (q3 - q1) / median
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """One rank's backward pass, measured in one run, and the two bounds the simple model gives.
+
+    Model: the gradients are computed in `compute_s` (a backward under `no_sync`, no communication), and
+    all-reducing the buckets one after another, alone, takes `communication_s`. With no overlap the
+    backward takes their sum (`serial_s`); with perfect overlap, the longer of the two (`overlapped_s`).
+    The measured backward with DDP (`ddp_s`) lies between, up to the run's own spread (`tolerance`).
+    """
+
+    compute_s: float
+    communication_s: float
+    ddp_s: float
+    tolerance: float
+
+    @property
+    def serial_s(self) -> float:
+        return self.compute_s + self.communication_s
+
+    @property
+    def overlapped_s(self) -> float:
+        return max(self.compute_s, self.communication_s)
+
+    @property
+    def hidden_share(self) -> float:
+        """The share of the communication that did not add to the backward's time."""
+        return (self.serial_s - self.ddp_s) / self.communication_s
+
+    @property
+    def within_bounds(self) -> bool:
+        return self.overlapped_s * (1 - self.tolerance) <= self.ddp_s <= self.serial_s * (1 + self.tolerance)
+
+
+def step_breakdown(facts: dict) -> StepBreakdown:
+    """From one rank's recorded `compute_s` and `ddp_s` (repeated backward times, without and with DDP's
+    communication) and `allreduce_alone_s` (the same buckets' all-reduces, one after another, outside
+    backward, once per repetition). Medians throughout; the tolerance is the largest spread of the three
+    (at least MIN_TOLERANCE)."""
+    spreads = (spread(facts["compute_s"]), spread(facts["ddp_s"]), spread(facts["allreduce_alone_s"]))
+    return StepBreakdown(statistics.median(facts["compute_s"]), statistics.median(facts["allreduce_alone_s"]),
+                         statistics.median(facts["ddp_s"]), max(MIN_TOLERANCE, *spreads))

@@ -1,0 +1,167 @@
+"""Lesson 6's exercise: halve the bytes DDP sends per step without changing the training.
+
+The script trains a small MLP with DDP for STEPS steps of SGD, each rank on its own share of the step's
+batch. The learner picks a communication hook. The checker computes the intended training itself, in
+one process, from the exercise's model, data and seeds (`exercise_reference`): one step is the gradient
+of the mean loss over every rank's share, which is what DDP's average computes. It judges the run on:
+- what crossed between the ranks, as torch's flight recorder saw it (`RankResult.collectives`): at
+  most half the bytes of plain DDP's float32 all-reduces, in every step, and at least a quarter (a
+  gradient cannot be averaged in less: float16 sends a half);
+- the ranks ending with bitwise equal weights;
+- those weights being the reference's to within WEIGHT_TOLERANCE of how far training moved them
+  (float16's rounding stays well inside: about 0.2 % here; PowerSGD's low-rank approximation changes
+  the trajectory by 10 % or more on this model).
+
+Known limit: the flight recorder gives shapes and dtypes, not contents. A script that computes every
+rank's gradient itself and all-reduces junk of the right size would pass the byte checks; lesson 5's
+checker has the same limit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from ..exercises import ExerciseReport
+from ..result import RunResult
+
+STEPS = 30
+BATCH = 32  # per rank and step
+LEARNING_RATE = 0.2
+INPUTS, HIDDEN = 32, 128
+WEIGHT_TOLERANCE = 0.01  # of the distance the reference's weights moved from the start
+TINY_BYTES = 64  # an all-reduce this small is a logged loss or a flag, not a gradient
+_DTYPE_BYTES = {"float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2, "double": 8, "float64": 8,
+                "long": 8, "int64": 8, "int": 4, "int32": 4}
+
+
+def exercise_model():
+    """The model every rank starts from (seeded: the same weights on every rank)."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(INPUTS, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN),
+                               torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 1))
+
+
+def _teacher():
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    teacher = torch.nn.Sequential(torch.nn.Linear(INPUTS, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    with torch.no_grad():
+        for parameter in teacher.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) / parameter.shape[-1] ** 0.5)
+    return teacher
+
+
+def exercise_batch(step: int, rank: int):
+    """Rank `rank`'s share of step `step`'s batch: (inputs, targets), BATCH samples."""
+    import torch
+
+    inputs = torch.randn(BATCH, INPUTS, generator=torch.Generator().manual_seed(1000 * step + rank))
+    with torch.no_grad():
+        return inputs, _teacher()(inputs)
+
+
+def parameter_bytes() -> int:
+    """What plain DDP all-reduces per step: every gradient, in float32."""
+    return sum(p.numel() * 4 for p in exercise_model().parameters())
+
+
+def exercise_reference(world_size: int) -> list:
+    """The weights after the intended training on `world_size` ranks, computed in one process: each step's
+    gradient is the mean loss's over every rank's share (shares of equal size), as DDP averages it."""
+    import torch
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # inside a rank: recording these weights would skip the exercise
+        raise RuntimeError("exercise_reference is the checker's answer, computed in the notebook: the exercise's "
+                           "script must train the model itself")
+    model = exercise_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    for step in range(STEPS):
+        shares = [exercise_batch(step, rank) for rank in range(world_size)]
+        inputs, targets = torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def all_reduce_bytes(collectives: list[dict]) -> list[int]:
+    """The bytes of each all-reduce a rank called, in order, from its flight recorder's entries."""
+    sizes = []
+    for entry in collectives:
+        if entry["op"] not in ("allreduce", "all_reduce", "allreduce_coalesced"):
+            continue
+        sizes.append(sum(math.prod(shape) * _DTYPE_BYTES.get(dtype, 4)
+                         for shape, dtype in zip(entry["shapes"], entry["dtypes"])))
+    return sizes
+
+
+def check_compression_exercise(run: RunResult) -> ExerciseReport:
+    """Name what is wrong with the learner's compressed training, or confirm it (see the module docstring)."""
+    report = ExerciseReport(verdict_when_passed="All checks pass: every step sent at most half the bytes, and the "
+                                                "training is the uncompressed one, to float16's rounding.")
+    if not run.ok:
+        report.mistakes.append("the run failed; fix the error shown above first")
+        return report
+    if len(run.ranks) < 2:
+        report.mistakes.append("run it on 2 or more ranks: with one there is nothing to send")
+        return report
+    if any("weights" not in r.facts for r in run.ranks):
+        report.mistakes.append("keep the record(\"weights\", ...) line: the checker compares every rank's weights")
+        return report
+    _judge_bytes(run, report)
+    _judge_weights(run, report)
+    return report
+
+
+def _judge_bytes(run: RunResult, report: ExerciseReport) -> None:
+    full = parameter_bytes()
+    sent = [all_reduce_bytes(r.collectives) for r in run.ranks]
+    # Tiny all-reduces (a loss averaged for the log) are not gradients.
+    gradients = [[size for size in sizes if size > TINY_BYTES] for sizes in sent]
+    counts = {len(sizes) for sizes in gradients}
+    total = max(sum(sizes) for sizes in gradients)
+    per_step = total / STEPS
+    if min(counts) < STEPS:
+        report.mistakes.append(f"the ranks all-reduced {min(counts)} times in {STEPS} steps (seen by the flight recorder): "
+                               "every step must average the gradients")
+    elif per_step > full / 2:
+        report.mistakes.append(
+            f"each step sent {per_step:,.0f} bytes on average, {per_step / full:.0%} of plain DDP's {full:,} (float32 "
+            "gradients): not half. Register a communication hook that sends fewer bytes (and note that PowerSGD, "
+            "with its default start_powerSGD_iter=1000, sends every byte for its first 1000 steps)")
+    elif per_step < full / 4:
+        report.mistakes.append(f"each step sent only {per_step:,.0f} bytes, less than a quarter of the gradients' "
+                               f"{full:,}: the ranks cannot have averaged their gradients in that (float16 sends half)")
+    else:
+        report.confirmed.append(f"each step sent {per_step:,.0f} bytes, {per_step / full:.0%} of plain DDP's {full:,} "
+                                "(counted from every all-reduce the ranks called)")
+
+
+def _judge_weights(run: RunResult, report: ExerciseReport) -> None:
+    import torch
+
+    weights = [[w.cpu().float() for w in r.facts["weights"]] for r in run.ranks]
+    if any(len(w) != len(weights[0]) or any(not torch.equal(a, b) for a, b in zip(w, weights[0])) for w in weights):
+        report.mistakes.append("the ranks ended with different weights: every rank must apply the same averaged "
+                               "gradient (a hook must return the same values on every rank)")
+        return
+    report.confirmed.append("every rank ended with bitwise the same weights")
+    reference = exercise_reference(len(run.ranks))
+    start = [p.detach() for p in exercise_model().parameters()]
+    if [w.shape for w in weights[0]] != [r.shape for r in reference]:
+        report.mistakes.append("the recorded weights are not the exercise model's: keep its model and record line")
+        return
+    moved = math.sqrt(sum(float((r - s).square().sum()) for r, s in zip(reference, start)))
+    off = math.sqrt(sum(float((w - r).square().sum()) for w, r in zip(weights[0], reference)))
+    if off > WEIGHT_TOLERANCE * moved:
+        report.mistakes.append(
+            f"the weights are {off / moved:.1%} of the training's distance away from the uncompressed training's "
+            f"(allowed: {WEIGHT_TOLERANCE:.0%}): the hook changed what the model learns, not only how it is sent. "
+            "Low-rank compression (PowerSGD) approximates each gradient; rounding to 16 bits only rounds it")
+    else:
+        report.confirmed.append(f"the weights are the uncompressed training's to {off / moved:.2%} of the distance "
+                                "training moved them")

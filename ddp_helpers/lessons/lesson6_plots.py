@@ -1,0 +1,111 @@
+"""The plots of lesson 6 (is it fast?); each returns the matplotlib Figure. Ranks keep their `[rank r]`
+colours (`output.RANK_COLORS`); series that are not ranks use `plots.series_color`."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+from ..output import rank_color
+from ..plots import series_color
+from .lesson6 import PUBLISHED_BUS_BANDWIDTH, AlphaBeta, bandwidths, ring_factor
+
+
+def plot_allreduce(points: list[dict], world_size: int, fit: AlphaBeta, published: bool = False):
+    """Time and bus bandwidth against payload, measured and as the fitted model predicts (log-log)."""
+    measured = bandwidths(points, world_size)
+    sizes = [p["bytes"] for p in measured]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.loglog(sizes, [p["seconds"] * 1e6 for p in measured], "o", color=series_color(0), label="measured")
+    left.loglog(sizes, [fit.predict(s) * 1e6 for s in sizes], "-", color=series_color(1),
+                label=f"alpha + bytes / beta ({fit.alpha_s * 1e6:.0f} us, {fit.beta_bytes_per_s / 1e9:.2f} GB/s)")
+    left.set_xlabel("payload (bytes)")
+    left.set_ylabel("time (us)")
+    left.legend(fontsize=8, frameon=False)
+    right.semilogx(sizes, [p["busbw"] / 1e9 for p in measured], "o-", color=series_color(0), label="measured")
+    right.semilogx(sizes, [s / fit.predict(s) * ring_factor(world_size) / 1e9 for s in sizes], "-",
+                   color=series_color(1), label="model")
+    if published:  # someone else's hardware, for scale: horizontal lines, labelled
+        for index, (label, busbw, _source) in enumerate(PUBLISHED_BUS_BANDWIDTH):
+            right.axhline(busbw / 1e9, color=series_color(2 + index), linestyle=":", label=f"{label} (published)")
+        right.set_yscale("log")
+    right.set_xlabel("payload (bytes)")
+    right.set_ylabel("bus bandwidth (GB/s)")
+    right.legend(fontsize=7, frameon=False, loc="lower right")
+    fig.suptitle(f"all_reduce on {world_size} ranks", fontsize=10, x=0.01, ha="left")
+    fig.tight_layout()
+    return fig
+
+
+def plot_step_timeline(facts_per_rank: list[dict], title: str = "One backward() with DDP, on each rank"):
+    """Per rank: the backward without communication (no_sync), the backward with DDP, and each bucket's
+    all-reduce from its launch (the hook) to its result, one thin line per bucket."""
+    import statistics
+
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 1.3 * len(facts_per_rank)))
+    for rank, facts in enumerate(facts_per_rank):
+        ax.barh(rank - 0.3, statistics.median(facts["ddp_s"]) * 1e3, height=0.16, color=rank_color(rank), alpha=0.35,
+                label="backward with DDP" if rank == 0 else None)
+        ax.barh(rank - 0.12, statistics.median(facts["compute_s"]) * 1e3, height=0.16, color=series_color(0),
+                alpha=0.5, label="backward under no_sync (compute only)" if rank == 0 else None)
+        buckets = facts["timeline"]
+        for index, (launched, done, _size) in enumerate(buckets):
+            y = rank + 0.05 + 0.3 * index / max(1, len(buckets) - 1)
+            ax.plot([launched * 1e3, done * 1e3], [y, y], "-", color=rank_color(rank), linewidth=1.6,
+                    label="each bucket's all-reduce, launch to result" if rank == 0 and index == 0 else None)
+    ax.set_yticks(range(len(facts_per_rank)), [f"rank {r}" for r in range(len(facts_per_rank))])
+    ax.set_ylim(len(facts_per_rank) - 0.55, -0.5)
+    ax.set_xlabel("ms from the start of backward() (bars: medians over the repetitions; lines: one of them)")
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_bucket_sweep(sweep: dict[str, dict]):
+    """Step time and all-reduces per step for each bucket_cap_mb."""
+    import statistics
+
+    labels = list(sweep)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+    left.bar(labels, [statistics.median(v["ddp_s"]) * 1e3 for v in sweep.values()], color=series_color(0))
+    left.set_ylabel("backward with DDP (ms, median)")
+    right.bar(labels, [v["allreduces"] for v in sweep.values()], color=series_color(1))
+    right.set_ylabel("all-reduces per step")
+    for ax in (left, right):
+        ax.set_xlabel("bucket_cap_mb")
+    fig.suptitle("Buckets: fewer, larger all-reduces, or more, smaller ones that start sooner", fontsize=10,
+                 x=0.01, ha="left")
+    fig.tight_layout()
+    return fig
+
+
+def plot_compression(variants: dict[str, dict]):
+    """Bytes per step and the loss over the steps, for each communication hook."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    names = list(variants)
+    left.barh(names, [v["bytes_per_step"][-1] for v in variants.values()], color=series_color(0))
+    left.set_xscale("log")
+    left.set_xlabel("bytes all-reduced in the last step (counted)")
+    left.invert_yaxis()
+    for index, (name, v) in enumerate(variants.items()):
+        right.plot(v["losses"], color=series_color(index), label=name)
+    right.set_xlabel("step")
+    right.set_ylabel("loss (rank 0's batch)")
+    right.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_scaling(throughput: dict[int, float]):
+    """Samples per second at each world size, against perfect scaling from one rank."""
+    worlds = sorted(throughput)
+    one = throughput[worlds[0]] / worlds[0]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(worlds, [throughput[w] for w in worlds], "o-", color=series_color(0), label="measured")
+    ax.plot(worlds, [one * w for w in worlds], ":", color=series_color(1), label="perfect scaling")
+    ax.set_xticks(worlds)
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("samples per second")
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig

@@ -14,6 +14,11 @@ the dispatcher, where it is seen here. "bytes" is the size of the whole tensor a
 on: the tensor all-reduced or broadcast, the full output of an all-gather, the full input of a
 reduce-scatter. What one rank actually puts on the wire depends on the algorithm (a ring all-reduce
 sends about twice that, an all-gather about (W - 1) / W of it).
+
+Warning: a dispatch mode sees the thread that entered it (and autograd's threads, which inherit it). A
+collective launched from another collective's callback, such as PowerSGD's second and third all-reduces
+on gloo (callbacks run on gloo's own threads), is not counted: lesson 6 counts those by wrapping
+`dist.all_reduce` instead.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ The script trains a small MLP with DDP for STEPS steps of SGD, each rank on its 
 batch. The learner picks a communication hook. The checker computes the intended training itself, in
 one process, from the exercise's model, data and seeds (`exercise_reference`): one step is the gradient
 of the mean loss over every rank's share, which is what DDP's average computes. It judges the run on:
-- what crossed between the ranks, as torch's flight recorder saw it (`RankResult.collectives`): at
-  most half the bytes of plain DDP's float32 all-reduces, in every step, and at least a quarter (a
-  gradient cannot be averaged in less: float16 sends a half);
+- what crossed between the ranks, as torch's flight recorder saw it (`RankResult.collectives`): an
+  all-reduce in every step, and on average at most half the bytes per step of plain DDP's float32
+  all-reduces, and at least a quarter (a gradient cannot be averaged in less: float16 sends a half);
 - the ranks ending with bitwise equal weights;
 - those weights being the reference's to within WEIGHT_TOLERANCE of how far training moved them
   (float16's rounding stays well inside: about 0.2 % here; PowerSGD's low-rank approximation changes

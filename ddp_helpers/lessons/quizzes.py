@@ -158,7 +158,7 @@ LESSON_6 = [
     Question("On a machine, an all-reduce of 1 KiB takes 0.8 ms and one of 16 MiB 20 ms. In alpha + bytes / beta, what makes up "
              "most of the 1 KiB one's time?",
              ("alpha, the latency", "bytes / beta, the bandwidth term", "Neither: it is noise"), 0,
-             "1 KiB at a bandwidth of about 1 GB/s is about 1 us: nearly all of 0.5 ms is the fixed cost of a collective. "
+             "1 KiB at a bandwidth of about 1 GB/s is about 1 us: nearly all of 0.8 ms is the fixed cost of a collective. "
              "Many small all-reduces pay it many times; that is why DDP buckets gradients.",
              "Compute 1 KiB / beta with the fitted beta."),
     Question("nccl-tests report an algorithm bandwidth of 200 GB/s for an all-reduce on 8 GPUs. What bus bandwidth do "
@@ -182,7 +182,8 @@ LESSON_6 = [
              "`bucket_cap_mb=1`?",
              ("8, one per MiB", "1: the buckets are built after the first step", "None: the first step does not "
               "communicate"), 1,
-             "In its first backward DDP puts every gradient in one bucket, then rebuilds its buckets in the order "
-             "the gradients became ready, up to the caps (torch/nn/parallel/distributed.py).",
+             "With the default find_unused_parameters=False, DDP's first backward puts every gradient in one bucket; "
+             "then it rebuilds its buckets once, in the order the gradients became ready, closing each at its cap "
+             "(torch/nn/parallel/distributed.py).",
              "Look at the first step of each cap in section 4."),
 ]

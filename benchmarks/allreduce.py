@@ -52,7 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     run.raise_for_failure()
     recorded = run.ranks[0].facts  # rank 0 records the slowest rank's time per payload
     points, world_size, backend = recorded["allreduce"], recorded["world_size"], recorded["backend"]
-    fit = fit_alpha_beta(points)
+    try:
+        fit = fit_alpha_beta(points)
+    except ValueError as error:  # noise larger than the bytes' cost: say so, with the points, rather than fit
+        for point in points:
+            print(f"{human_bytes(point['bytes']):>10}  {point['seconds'] * 1e6:>10.1f} us")
+        print(f"No alpha-beta fit: {str(error).split(':')[0]}. The payloads are too small for this machine's noise: "
+              "run again with a larger --max-mib or more --repeats.", file=sys.stderr)
+        return 1
     print(f"all_reduce of float32 on {world_size} ranks ({backend}), median of {args.repeats} per payload, "
           "the slowest rank's:")
     print(table(points, world_size, fit))

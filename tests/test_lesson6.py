@@ -35,12 +35,14 @@ def test_points_that_do_not_follow_the_model_are_refused():
 
 def test_the_benchmark_measures_all_reduce_on_this_machine(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "allreduce.py"), "--max-mib", "1", "--repeats", "3",
+        # Up to 16 MiB: below about 1 MiB the times are all latency, and on a busy machine their noise alone can
+        # give the fit a negative slope.
+        [sys.executable, str(ROOT / "benchmarks" / "allreduce.py"), "--max-mib", "16", "--repeats", "3",
          "--json", str(tmp_path / "points.json"), "--plot", str(tmp_path / "plot.png")],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     saved = json.loads((tmp_path / "points.json").read_text())
-    assert [p["bytes"] for p in saved["points"]] == [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20]
+    assert [p["bytes"] for p in saved["points"]] == [1 << k for k in range(10, 25, 2)]
     assert all(p["seconds"] > 0 for p in saved["points"]) and saved["beta_bytes_per_s"] > 0
     assert "alpha-beta fit: latency alpha =" in done.stdout and "busbw (GB/s)" in done.stdout
     assert (tmp_path / "plot.png").stat().st_size > 10_000
@@ -110,7 +112,7 @@ def test_wrong_fixes_fail(write_script, given, fix, said):
 def test_training_apart_and_averaging_once_fails(write_script, given):
     """Local SGD: no communication in the steps (no_sync), the weights averaged once at the end."""
     script = given[0]
-    loop = script[script.index("for step in range(STEPS):"):script.index('print(f"rank {rank}')]
+    loop = script[script.index("for step in range(STEPS):"):script.index('print(f"loss on')]
     apart = "with ddp.no_sync():\n" + "".join("    " + line for line in loop.splitlines(keepends=True))
     average = "for p in model.parameters():\n    dist.all_reduce(p.data)\n    p.data /= world_size\n"
     run, report = judged(write_script, script.replace(loop, apart + average))

@@ -37,9 +37,13 @@ def plot_allreduce(points: list[dict], world_size: int, fit: AlphaBeta, publishe
 
 
 def plot_step_timeline(facts_per_rank: list[dict], title: str = "One backward() with DDP, on each rank"):
-    """Per rank: the backward without communication (no_sync), the backward with DDP, and each bucket's
-    all-reduce from its launch (the hook) to its result, one thin line per bucket."""
+    """Per rank: the backward without communication (no_sync), the backward with DDP (medians), and each
+    bucket's all-reduce from its launch (the hook) to its result, one thin line per bucket, in one repetition:
+    rank 0's median one, the same repetition on every rank."""
     import statistics
+
+    ddp_times = facts_per_rank[0]["ddp_s"]
+    shown = ddp_times.index(statistics.median_low(ddp_times))
 
     fig, ax = plt.subplots(figsize=(9, 1.2 + 1.3 * len(facts_per_rank)))
     for rank, facts in enumerate(facts_per_rank):
@@ -47,7 +51,7 @@ def plot_step_timeline(facts_per_rank: list[dict], title: str = "One backward() 
                 label="backward with DDP" if rank == 0 else None)
         ax.barh(rank - 0.12, statistics.median(facts["compute_s"]) * 1e3, height=0.16, color=series_color(0),
                 alpha=0.5, label="backward under no_sync (compute only)" if rank == 0 else None)
-        buckets = facts["timeline"]
+        buckets = facts["timelines"][shown]
         for index, (launched, done, _size) in enumerate(buckets):
             y = rank + 0.05 + 0.3 * index / max(1, len(buckets) - 1)
             ax.plot([launched * 1e3, done * 1e3], [y, y], "-", color=rank_color(rank), linewidth=1.6,
@@ -90,7 +94,7 @@ def plot_compression(variants: dict[str, dict]):
     for index, (name, v) in enumerate(variants.items()):
         right.plot(v["losses"], color=series_color(index), label=name)
     right.set_xlabel("step")
-    right.set_ylabel("loss (rank 0's batch)")
+    right.set_ylabel("loss on rank 0's batch")
     right.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return fig

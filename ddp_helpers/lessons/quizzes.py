@@ -178,7 +178,7 @@ LESSON_6 = [
              ("Far fewer: it compresses", "Half", "The same: it has not started compressing"), 2,
              "start_powerSGD_iter defaults to 1000: the first 1000 steps run a plain all-reduce.",
              "Look at PowerSGDState's defaults."),
-    Question("How many buckets does DDP all-reduce in the first backward of a model of 8 MB, with "
+    Question("How many buckets does DDP all-reduce in the first backward of a model with 8 MiB of gradients, with "
              "`bucket_cap_mb=1`?",
              ("8, one per MiB", "1: the buckets are built after the first step", "None: the first step does not "
               "communicate"), 1,

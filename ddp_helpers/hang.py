@@ -98,13 +98,18 @@ def last_printed_error(stderr: str) -> str | None:
 
 
 # The flight recorder names dtypes as c10 does ("Float"); the report uses torch's names, as the p2p log does.
-_DTYPES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32",
+TORCH_DTYPE_NAMES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32",
            "short": "int16", "char": "int8", "byte": "uint8", "bool": "bool", "bfloat16": "bfloat16"}
+
+
+def torch_dtype_name(flight_recorder_dtype: str) -> str:
+    """torch's name ("float32") for a dtype as the flight recorder names it ("Float", or "float")."""
+    return TORCH_DTYPE_NAMES.get(flight_recorder_dtype.lower(), flight_recorder_dtype.lower())
 
 
 def _shape(collective: dict) -> str:
     shapes = ", ".join(str(list(s)) for s in collective["shapes"])
-    dtypes = sorted({_DTYPES.get(d.lower(), d.lower()) for d in collective["dtypes"]})
+    dtypes = sorted({torch_dtype_name(d) for d in collective["dtypes"]})
     return f"{shapes} {'/'.join(dtypes)}".strip()
 
 

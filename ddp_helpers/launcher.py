@@ -32,6 +32,7 @@ from .local_engine import (  # noqa: F401 - the stop bound and warm start, as us
     SHUTDOWN_GRACE_S, STOP_BOUND_S, LocalEngine, prepare_warm_launches,
 )
 from .output import RankOutputStreamer, show_failures_once
+from .processes import run_despite_interrupts
 from .readback import collect_result
 from .result import RunResult
 from .run_folder import RunFolder
@@ -98,16 +99,4 @@ def follow(engine: Engine, config: LaunchConfig, folder: RunFolder) -> RunResult
 
 def _stop(engine: Engine, streamer: RankOutputStreamer) -> None:
     """Stop the engine, then show the last of the output; pressing stop again meanwhile cuts neither short."""
-    interrupted = None
-    try:
-        engine.stop()
-    except KeyboardInterrupt as again:
-        interrupted = again
-    while True:
-        try:
-            streamer.finish()
-            break
-        except KeyboardInterrupt as again:
-            interrupted = again
-    if interrupted is not None:
-        raise interrupted
+    run_despite_interrupts(engine.stop, streamer.finish)

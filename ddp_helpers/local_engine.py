@@ -35,7 +35,7 @@ from . import hang, warm
 from .config import LaunchConfig, inherited_environment
 from .engine import Ending, Engine
 from .output import RankOutputStreamer
-from .processes import kill_marked, kill_process_groups, process_is_dead, stop_process_group
+from .processes import kill_marked, kill_process_groups, process_is_dead, run_despite_interrupts, stop_process_group
 from .run_folder import RUN_DIR_ENV, RUN_ID_ENV, RunFolder
 from .supervisor_spec import SupervisorSpec
 from .text_in_file import TextInFile
@@ -160,23 +160,17 @@ class LocalEngine(Engine):
 
     def stop(self) -> None:
         """Bounded by STOP_BOUND_S; pressing stop again meanwhile does not cut it short."""
-        interrupted = None
-        try:
-            if self.process is not None:
-                stop_process_group(self.process, grace_s=SHUTDOWN_GRACE_S + _SUPERVISOR_EXTRA_S)
-        except KeyboardInterrupt as again:
-            interrupted = again
-        while True:
-            try:
-                kill_marked(self.run_id, RUN_ID_ENV)
-                kill_process_groups(self.folder.rank_pids(self.config.world_size))
-                if self._log is not None:
-                    self._log.close()
-                break
-            except KeyboardInterrupt as again:
-                interrupted = again
-        if interrupted is not None:
-            raise interrupted
+        run_despite_interrupts(self._stop_supervisor, self._sweep)
+
+    def _stop_supervisor(self) -> None:
+        if self.process is not None:
+            stop_process_group(self.process, grace_s=SHUTDOWN_GRACE_S + _SUPERVISOR_EXTRA_S)
+
+    def _sweep(self) -> None:
+        kill_marked(self.run_id, RUN_ID_ENV)
+        kill_process_groups(self.folder.rank_pids(self.config.world_size))
+        if self._log is not None:
+            self._log.close()
 
     def ending(self) -> Ending:
         process = self.process

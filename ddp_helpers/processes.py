@@ -116,6 +116,21 @@ def process_is_dead(pid: int) -> bool:
         return True
 
 
+def run_despite_interrupts(*steps) -> None:
+    """Run each step to its end, in order. A KeyboardInterrupt (stop pressed again) cuts none short: the
+    step it interrupted runs again (steps must be safe to repeat), and the interrupt is raised at the end."""
+    interrupted = None
+    for step in steps:
+        while True:
+            try:
+                step()
+                break
+            except KeyboardInterrupt as again:
+                interrupted = again
+    if interrupted is not None:
+        raise interrupted
+
+
 def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM the process group led by `proc`, then SIGKILL it after `grace_s`; wait for `proc` to end.
     A KeyboardInterrupt (stop pressed again) does not cut this short: it is re-raised at the end."""

@@ -1,11 +1,10 @@
 """The launcher's one follow loop drives any engine: a third engine (tests/fake_engine.py, each rank a plain
 subprocess) gets streaming, the read-back, the root cause, the deadline and the stop from `launch` alone."""
 
-import os
-
 import pytest
 
 from ddp_helpers import LaunchError, launch, make_launch_config
+from ddp_helpers.processes import process_is_dead
 from fake_engine import PlainProcessesJob
 
 WHO = """
@@ -41,7 +40,7 @@ def test_the_loops_deadline_stops_a_third_engines_ranks(write_script):
     assert run.timed_out and not run.ok
     assert all("sleeping" in r.stdout for r in run.ranks)
     pids = _rank_pids(run)
-    assert pids and not [pid for pid in pids if _alive(pid)], "the stop left a rank running"
+    assert pids and all(process_is_dead(pid) for pid in pids), "the stop left a rank running"
 
 
 def test_a_cluster_job_checks_its_own_options(write_script):
@@ -55,15 +54,6 @@ def _rank_pids(run) -> list[int]:
     from ddp_helpers.run_folder import RunFolder
 
     return RunFolder(run.config.run_dir, run.run_id).rank_pids(run.config.world_size)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_the_supervisor_gets_one_spec_that_round_trips_through_the_run_folder(tmp_path):

@@ -19,10 +19,12 @@ checker has the same limit.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
 from ..exercises import ExerciseReport
+from ..hang import torch_dtype_name
 from ..result import RunResult
 
 STEPS = 30
@@ -31,8 +33,6 @@ LEARNING_RATE = 0.2
 INPUTS, HIDDEN = 32, 128
 WEIGHT_TOLERANCE = 0.01  # of the distance the reference's weights moved from the start
 TINY_BYTES = 64  # an all-reduce this small is a logged loss or a flag, not a gradient
-_DTYPE_BYTES = {"float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2, "double": 8, "float64": 8,
-                "long": 8, "int64": 8, "int": 4, "int32": 4}
 
 
 def exercise_model():
@@ -44,6 +44,7 @@ def exercise_model():
                                torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 1))
 
 
+@functools.cache  # one teacher for every batch: it is fixed by its seed
 def _teacher():
     import torch
 
@@ -90,11 +91,13 @@ def exercise_reference(world_size: int) -> list:
 
 def all_reduce_bytes(collectives: list[dict]) -> list[int]:
     """The bytes of each all-reduce a rank called, in order, from its flight recorder's entries."""
+    import torch
+
     sizes = []
     for entry in collectives:
         if entry["op"] not in ("allreduce", "all_reduce", "allreduce_coalesced"):
             continue
-        sizes.append(sum(math.prod(shape) * _DTYPE_BYTES.get(dtype, 4)
+        sizes.append(sum(math.prod(shape) * getattr(torch, torch_dtype_name(dtype)).itemsize
                          for shape, dtype in zip(entry["shapes"], entry["dtypes"])))
     return sizes
 

@@ -35,7 +35,7 @@ def test_a_third_engine_is_followed_streamed_and_read_back_by_the_same_loop(writ
 
 
 def test_the_loops_deadline_stops_a_third_engines_ranks(write_script):
-    run = launch(make_launch_config(write_script("sleeper", SLEEPER), nproc=2, timeout_s=3, stream=False,
+    run = launch(make_launch_config(write_script("sleeper", SLEEPER), nproc=2, timeout_s=6, stream=False,
                                     cluster=PlainProcessesJob()))
     assert run.timed_out and not run.ok
     assert all("sleeping" in r.stdout for r in run.ranks)

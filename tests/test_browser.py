@@ -54,6 +54,8 @@ LESSON_EXPECTATIONS = {
     "06": ("\u2713 fp16 sent exactly half the bytes in every step", "not half. Register a communication hook", 5),
 }
 # Text forms that mean a widget did not render as a widget.
+# Seconds with no cell running and cells left unrun after which Run All has stopped at an error.
+RUN_ALL_STOPPED_S = 10
 WIDGET_TEXT_FORMS = ("IntSlider(", "VBox(children", "sliders need a live Jupyter kernel")
 
 
@@ -168,18 +170,17 @@ def prompts_js(body: str) -> str:
     return (
         "() => { const prompts = [...document.querySelectorAll('PANEL .jp-CodeCell .jp-InputArea-prompt')]"
         ".map(p => p.textContent.trim()); "
-        "const errors = document.querySelectorAll('PANEL [data-mime-type=\"application/vnd.jupyter.error\"]').length; "
         + body + " }"
     ).replace("PANEL", PANEL)
 
 
 def run_all_cells(page, timeout_s: float = 240) -> None:
-    """Run All, then wait until every code cell has an execution count, or an error appears.
+    """Run All, then wait until every code cell has an execution count, or Run All stopped at an error.
 
     A kernel that is still connecting can drop some or all of a Run All (seen on fresh environments:
     no cell ran, or only the first). When nothing runs while cells are left unrun, ask again."""
     state_js = prompts_js(
-        "return {errors, total: prompts.length, unrun: prompts.filter(t => t === '[ ]:').length,"
+        "return {total: prompts.length, unrun: prompts.filter(t => t === '[ ]:').length,"
         " running: prompts.filter(t => t === '[*]:').length};"
     )
     deadline = time.monotonic() + timeout_s
@@ -192,13 +193,62 @@ def run_all_cells(page, timeout_s: float = 240) -> None:
             page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
             requests, stalled_since = requests + 1, time.monotonic()
         state = page.evaluate(state_js)
-        if state["errors"] or (state["total"] and not state["unrun"] and not state["running"]):
+        if state["total"] and not state["unrun"] and not state["running"]:
+            return
+        # A cell that raised ends Run All: the cells after it stay unrun, and none is queued. The saved
+        # notebook says which cell and what it raised.
+        if (ran > 1 or requests == 4) and not state["running"] and time.monotonic() - stalled_since > RUN_ALL_STOPPED_S:
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"cells not all run after {timeout_s} s ({requests} Run All requests): {state}")
         if state["running"]:
             stalled_since = time.monotonic()
         time.sleep(0.5)
+
+
+def saved_notebook(page, path: Path, timeout_s: float = 30) -> dict:
+    """Save the notebook on screen (Ctrl+S) and read it back from disk.
+
+    The page cannot tell an error from other stderr: JupyterLab renders an error output with the
+    stderr renderer. The saved file keeps each output's type."""
+    before = path.stat().st_mtime_ns
+    page.locator(f"{PANEL} .jp-Notebook").press("Control+s")
+    deadline = time.monotonic() + timeout_s
+    while path.stat().st_mtime_ns == before:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"JupyterLab did not save {path.name} within {timeout_s} s of Ctrl+S")
+        time.sleep(0.2)
+    # JupyterLab writes the file in one go, but read until it parses, in case the save is still landing.
+    while True:
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def cells_that_failed_or_never_ran(notebook: dict) -> list[str]:
+    """Each code cell that has an error output or no execution count, with what it raised."""
+    problems = []
+    for index, cell in enumerate(notebook["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        label = f"cell {index} ({cell.get('id')})"
+        for output in cell.get("outputs", []):
+            if output["output_type"] == "error":
+                traceback = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(output.get("traceback", [])))
+                problems.append(f"{label} raised {output['ename']}: {traceback[-1500:]}")
+        if cell.get("execution_count") is None:
+            problems.append(f"{label} never ran")
+    return problems
+
+
+def open_notebook(page, lab, name: str) -> None:
+    """Open notebooks/<name> in a workspace of its own, reset: only it is open, whatever ran before."""
+    page.goto(f"{lab.url}/lab/workspaces/{Path(name).stem}/tree/notebooks/{name}?reset&token={lab.token}")
+    page.wait_for_selector(f"{PANEL} .jp-CodeCell", timeout=90_000)
+    page.wait_for_selector(f"{PANEL} .jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
 
 
 def output_texts(page) -> list[str]:
@@ -209,15 +259,12 @@ def output_texts(page) -> list[str]:
 def test_notebook_runs_in_jupyterlab(browser, lab, notebook):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
-        # A workspace of its own, reset: only this notebook is open, whatever ran before.
-        page.goto(f"{lab.url}/lab/workspaces/{notebook.stem}/tree/notebooks/{notebook.name}?reset&token={lab.token}")
-        page.wait_for_selector(f"{PANEL} .jp-CodeCell", timeout=90_000)
-        page.wait_for_selector(f"{PANEL} .jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+        open_notebook(page, lab, notebook.name)
         run_all_cells(page)
+        problems = cells_that_failed_or_never_ran(saved_notebook(page, lab.root / "notebooks" / notebook.name))
+        assert not problems, f"{notebook.name}:\n" + "\n---\n".join(problems)[:4000]
 
         texts = output_texts(page)
-        errors = page.locator(f"{PANEL} [data-mime-type='application/vnd.jupyter.error']").all_inner_texts()
-        assert not errors, f"{notebook.name}: error output:\n" + "\n---\n".join(errors)[:4000]
         assert "Would you like to get notified" not in page.content(), "JupyterLab's news pop-up should be off"
         joined = "\n".join(texts)
         assert "[rank 0]" in joined and "[rank 1]" in joined, "per-rank output should show in the page"
@@ -285,6 +332,28 @@ def check_widgets(page) -> None:
         "(before) => { const img = document.querySelector('.widget-output img'); return img && img.src !== before; }",
         arg=before, timeout=20_000,
     )
+
+
+def test_a_failed_check_is_caught_and_named(browser, lab):
+    """The error assertion above can fail: a lesson check that fails stops Run All, and the test names the
+    cell and the check's message, and the cell after it as never run."""
+    import nbformat
+
+    cells = ["print('before')",
+             "from ddp_helpers.checks import check\ncheck(False, 'never printed', 'broken on purpose')",
+             "print('after')"]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
+    nbformat.write(notebook, lab.root / "notebooks" / "broken.ipynb")
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        open_notebook(page, lab, "broken.ipynb")
+        run_all_cells(page)
+        problems = cells_that_failed_or_never_ran(saved_notebook(page, lab.root / "notebooks" / "broken.ipynb"))
+    finally:
+        page.close()
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("cell 1 (") and "LessonCheckFailed" in problems[0] and "broken on purpose" in problems[0]
+    assert problems[1].startswith("cell 2 (") and problems[1].endswith("never ran")
 
 
 def test_jupyterlab_shuts_down_leaving_no_process(lab, browser):

@@ -1,4 +1,4 @@
-"""Lesson 4's exercise: run as the notebook runs it (rank 1 killed after step 5, one restart), the
+"""Lesson 4: the resilient training's evidence can fail (each part of its snapshot is needed), and the exercise: run as the notebook runs it (rank 1 killed after step 5, one restart), the
 checker names both mistakes of the script as given, passes the solution shown (hidden) in the notebook,
 and refuses wrong fixes for what the ranks did (the steps each attempt printed, the final snapshot
 against the checker's own copy of the exercise run without a kill), not for what the script says: shortcuts
@@ -98,3 +98,58 @@ def test_restoring_only_the_cpu_random_state_is_judged_by_the_hardware(write_scr
     on_gpus = run.backend == "nccl"
     assert on_gpus == (detect_hardware().gpu_count >= 2)
     assert report.passed != on_gpus, str(report)
+
+
+def resilient_variants() -> tuple[str, dict[str, str]]:
+    """The lesson's resilient training (the cell above the exercise), and copies each missing one part of
+    what the lesson says a resume needs."""
+    magic, script, _ = exercise_cells(NOTEBOOK, first_line_starts="%%torchrun --name resilient")
+    assert "--kill-rank 1 --kill-after 'step 6 done'" in magic
+    edits = {
+        "the scheduler not restored": [('    scheduler.load_state_dict(snapshot["scheduler"])', "    pass")],
+        "numpy's state not restored": [("    np.random.set_state((name, np.array(key, dtype=np.uint32), position, has_gauss, gauss))\n", "")],
+        "Python's random state not restored": [('    random.setstate(state["python"])\n', "")],
+        # The old way: every epoch from the first, reading and skipping the batches done before the restart.
+        "the loader replayed": [
+            ("step = first_step\nfor epoch in range(first_step // steps_per_epoch, epochs):", "step = 0\nfor epoch in range(epochs):"),
+            ("sampler=order[done * batch_size:]", "sampler=order"),
+            ("    for inputs, targets in loader:\n", "    for inputs, targets in loader:\n        if step < first_step:\n"
+                                                   "            step += 1\n            continue\n"),
+        ],
+    }
+    variants = {}
+    for name, replacements in edits.items():
+        variant = script
+        for old, new in replacements:
+            assert old in variant, f"{name}: {old!r} is not in the lesson's script"
+            variant = variant.replace(old, new)
+        variants[name] = variant
+    return script, variants
+
+
+def test_each_part_of_the_lessons_snapshot_is_needed(write_script):
+    """The lesson's evidence can fail: without any one restore, the resumed training is not bitwise the
+    uninterrupted one; replaying the loader gives the same training but reads every skipped sample again."""
+    import torch
+
+    script, variants = resilient_variants()
+    options = dict(stream=False, max_restarts=1, kill_rank=1, kill_after="step 6 done", timeout_s=60)
+    uninterrupted = run_on_cpu(write_script("uninterrupted", script), nproc=2, stream=False)
+    assert uninterrupted.ok, failure_report(uninterrupted)
+    reference_losses = [entry["loss"] for entry in uninterrupted.ranks[0].facts["log"]]
+
+    def resumed(source):
+        run = run_on_cpu(write_script("resumed", source), nproc=2, **options)
+        assert run.ok and run.restarts == 1, failure_report(run)
+        same = ([entry["loss"] for entry in run.ranks[0].facts["log"]] == reference_losses
+                and all(torch.equal(a, b) for a, b in zip(run.facts("parameters"), uninterrupted.facts("parameters"))))
+        return same, [rank.facts["samples_read"] for rank in run.ranks]
+
+    steps_after_restart = len(reference_losses) - 7  # killed after step 6
+    assert resumed(script) == (True, [steps_after_restart * 8] * 2)
+    for name, variant in variants.items():
+        same, samples_read = resumed(variant)
+        if name == "the loader replayed":
+            assert same and samples_read == [len(reference_losses) * 8] * 2, (name, samples_read)
+        else:
+            assert not same, f"{name}: the resumed training should differ from the uninterrupted one"

@@ -7,7 +7,7 @@ wrong tensor sent. The scripts are taken from the notebook itself."""
 import pytest
 
 from ddp_helpers.lessons.lesson1 import (bubble_formula, check_pipeline_exercise, handoff_cost, idle_fractions,
-                                          idle_with_handoffs)
+                                          idle_with_handoffs, micro_batches_in_flight)
 from support import exercise_cells, failure_report, run_on_cpu
 
 NOTEBOOK = "01_data_vs_model_parallelism.ipynb"
@@ -106,3 +106,12 @@ def test_hand_offs_are_the_gaps_on_the_pacing_stage_and_add_to_the_formula():
     assert idle_with_handoffs(4, 1.0, 0.0) == pytest.approx(bubble_formula(2, 4))
     # m = 8, f + b = 1, o = 0.25: the run lasts 9 + 4 = 13, each stage computes 8 of it.
     assert idle_with_handoffs(8, 1.0, 0.25) == pytest.approx(5 / 13)
+
+
+def test_micro_batches_in_flight_counts_forwards_whose_backward_has_not_run():
+    piece = lambda kind, start: {"kind": kind, "start": start, "end": start + 0.5}  # noqa: E731
+    gpipe = [piece("forward", t) for t in range(4)] + [piece("backward", 4 + t) for t in range(4)]
+    one_f_one_b = [piece("forward", 0), piece("forward", 1), piece("backward", 2), piece("forward", 3),
+                   piece("backward", 4), piece("forward", 5), piece("backward", 6), piece("backward", 7)]
+    assert micro_batches_in_flight(gpipe) == 4
+    assert micro_batches_in_flight(list(reversed(one_f_one_b))) == 2  # by start time, not by list order

@@ -31,6 +31,16 @@ def bubble_formula(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
+def micro_batches_in_flight(pieces: list[dict]) -> int:
+    """The most micro-batches a stage held at once: forwards run whose backward had not yet run, at any
+    moment of its timeline (each forward keeps its activations until its backward)."""
+    held = most = 0
+    for piece in sorted(pieces, key=lambda p: p["start"]):
+        held += 1 if piece["kind"] == "forward" else -1
+        most = max(most, held)
+    return most
+
+
 def handoff_cost(timeline: list[dict]) -> float:
     """The mean time a two-stage pipeline spends outside compute between one micro-batch and the next,
     on the stage that sets the pace: from one forward to the next on rank 0 (making the input, sending

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -61,15 +62,43 @@ def run_torchrun_commands(commands: list[list[str]], start_gap_s: float = 0.0,
                 time.sleep(start_gap_s)
             processes.append(stack.enter_context(torchrun_in_background(arguments, marker)))
         deadline = time.monotonic() + timeout_s
-        results = []
-        for process in processes:
-            try:
-                output, _ = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
-                results.append((process.returncode, output))
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                results.append((None, process.communicate()[0]))
-        return results
+        return [_result_by(process, deadline) for process in processes]
+
+
+def run_torchrun_after(first: list[str], second: list[str], when_first_prints: str,
+                       timeout_s: float = 60) -> list[tuple[int | None, str]]:
+    """Run `torchrun FIRST`, and `torchrun SECOND` once the first has printed a line containing
+    `when_first_prints` (or has ended): as someone watching the first terminal would start the second.
+    [(exit code, None if it had to be stopped; output)] of each; everything they started is killed at
+    the end."""
+    marker = uuid.uuid4().hex
+    deadline = time.monotonic() + timeout_s
+    with torchrun_in_background(first, marker) as first_process:
+        lines = []
+        # The first one's output, line by line, in a thread: a line that never comes must not block the deadline.
+        reader = threading.Thread(target=lambda: lines.extend(first_process.stdout), daemon=True)
+        reader.start()
+        while not any(when_first_prints in line for line in list(lines)) and reader.is_alive():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        with torchrun_in_background(second, marker) as second_process:
+            second_result = _result_by(second_process, deadline)
+        reader.join(max(0.1, deadline - time.monotonic()))
+        if reader.is_alive():
+            os.killpg(first_process.pid, signal.SIGKILL)
+            reader.join()
+        first_process.wait()
+        return [(first_process.returncode if first_process.returncode >= 0 else None, "".join(lines)), second_result]
+
+
+def _result_by(process: subprocess.Popen, deadline: float) -> tuple[int | None, str]:
+    try:
+        output, _ = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        return process.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        return None, process.communicate()[0]
 
 
 def run_torchrun_command(arguments: list[str], timeout_s: float = 60) -> tuple[int | None, str]:

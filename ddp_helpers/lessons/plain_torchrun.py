@@ -22,16 +22,18 @@ MARKER_ENV = "DDP_LESSONS_TORCHRUN_COMMAND"
 
 
 @contextlib.contextmanager
-def torchrun_in_background(arguments: list[str], marker: str | None = None) -> Iterator[subprocess.Popen]:
-    """Start `torchrun ARGUMENTS`, as in a second terminal, and yield its process (output on `.stdout`,
-    text). When the block ends, the agent and every process it started are killed."""
+def torchrun_in_background(arguments: list[str], marker: str | None = None,
+                           extra_env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Start `torchrun ARGUMENTS`, as in a second terminal (with `extra_env` exported), and yield its
+    process (output on `.stdout`, text). When the block ends, the agent and every process it started
+    are killed."""
     from ..config import inherited_environment
     from ..processes import arm_parent_death_signal, kill_marked
 
     marker = marker or uuid.uuid4().hex
     env = inherited_environment()
     env.update({MARKER_ENV: marker,  # found by the sweep below, in every process started
-                "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"})
+                "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", **(extra_env or {})})
     process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *arguments], env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True,
@@ -49,8 +51,8 @@ def torchrun_in_background(arguments: list[str], marker: str | None = None) -> I
         kill_marked(marker, MARKER_ENV)
 
 
-def run_torchrun_commands(commands: list[list[str]], start_gap_s: float = 0.0,
-                          timeout_s: float = 60) -> list[tuple[int | None, str]]:
+def run_torchrun_commands(commands: list[list[str]], start_gap_s: float = 0.0, timeout_s: float = 60,
+                          extra_env: dict[str, str] | None = None) -> list[tuple[int | None, str]]:
     """Run `torchrun ARGUMENTS` for each entry of `commands` at once, as terminals would, the next one
     `start_gap_s` after the previous: [(exit code, None if it had to be stopped; its output)].
     Everything they started is killed at the end."""
@@ -60,20 +62,20 @@ def run_torchrun_commands(commands: list[list[str]], start_gap_s: float = 0.0,
         for number, arguments in enumerate(commands):
             if number:
                 time.sleep(start_gap_s)
-            processes.append(stack.enter_context(torchrun_in_background(arguments, marker)))
+            processes.append(stack.enter_context(torchrun_in_background(arguments, marker, extra_env)))
         deadline = time.monotonic() + timeout_s
         return [_result_by(process, deadline) for process in processes]
 
 
-def run_torchrun_after(first: list[str], second: list[str], when_first_prints: str,
-                       timeout_s: float = 60) -> list[tuple[int | None, str]]:
+def run_torchrun_after(first: list[str], second: list[str], when_first_prints: str, timeout_s: float = 60,
+                       extra_env: dict[str, str] | None = None) -> list[tuple[int | None, str]]:
     """Run `torchrun FIRST`, and `torchrun SECOND` once the first has printed a line containing
     `when_first_prints` (or has ended): as someone watching the first terminal would start the second.
     [(exit code, None if it had to be stopped; output)] of each; everything they started is killed at
     the end."""
     marker = uuid.uuid4().hex
     deadline = time.monotonic() + timeout_s
-    with torchrun_in_background(first, marker) as first_process:
+    with torchrun_in_background(first, marker, extra_env) as first_process:
         lines = []
         # The first one's output, line by line, in a thread: a line that never comes must not block the deadline.
         reader = threading.Thread(target=lambda: lines.extend(first_process.stdout), daemon=True)
@@ -82,7 +84,7 @@ def run_torchrun_after(first: list[str], second: list[str], when_first_prints: s
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        with torchrun_in_background(second, marker) as second_process:
+        with torchrun_in_background(second, marker, extra_env) as second_process:
             second_result = _result_by(second_process, deadline)
         reader.join(max(0.1, deadline - time.monotonic()))
         if reader.is_alive():

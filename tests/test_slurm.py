@@ -209,3 +209,19 @@ def test_the_generated_job_script_runs_with_plain_sbatch(cluster, write_script):
     outputs = sorted(first.run_dir.glob("rank*.stdout"))
     assert [p.name for p in outputs] == ["rank0.stdout", "rank1.stdout"]
     assert "rank 1 on n" in outputs[1].read_text()
+
+
+def test_the_lessons_srun_tasks_make_one_world_without_torchrun(cluster):
+    """Lesson 4's script for one srun task per rank (shown in the notebook) maps Slurm's variables to a
+    world of 2 nodes × 2 tasks, run with plain sbatch and srun."""
+    import nbformat
+
+    from ddp_helpers.lessons.lesson4_srun import TASK_SCRIPT, run_as_srun_tasks
+    from support import course_notebook
+
+    cells = nbformat.read(course_notebook("04_launching_with_torchrun.ipynb"), as_version=4).cells
+    shown = next(cell.source for cell in cells if cell.get("id") == "lesson4-srun-tasks")
+    assert f"```python\n{TASK_SCRIPT.rstrip()}\n```" in shown, "the lesson must show the script it runs"
+    outputs = run_as_srun_tasks(nodes=2, tasks_per_node=2, timeout_s=120)
+    assert outputs == {rank: f"rank {rank} of 4, local rank {rank % 2} on node {rank // 2}: sum of ranks 6\n"
+                       for rank in range(4)}, outputs

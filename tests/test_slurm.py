@@ -4,6 +4,7 @@ named, the timeout, the stop button and a killed kernel cancelling the job and l
 Slurm's own refusal as the error, and the generated job script running with plain sbatch."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from support import failure_report, processes_left
 
 WHO = """
 import os
+import re
 import torch
 import torch.distributed as dist
 from ddp_helpers import record
@@ -225,3 +227,28 @@ def test_the_lessons_srun_tasks_make_one_world_without_torchrun(cluster):
     outputs = run_as_srun_tasks(nodes=2, tasks_per_node=2, timeout_s=120)
     assert outputs == {rank: f"rank {rank} of 4, local rank {rank % 2} on node {rank // 2}: sum of ranks 6\n"
                        for rank in range(4)}, outputs
+
+
+def test_the_lessons_preempted_job_saves_requeues_and_resumes_bitwise(cluster):
+    """Lesson 4's preemption: warned with SIGUSR1 (scancel --signal standing in for --signal=B:USR1@T), the
+    job saves, requeues itself and resumes; every step runs once, and it ends bitwise where the same
+    training without a warning ends. The notebook shows this training script."""
+    import nbformat
+    import torch
+
+    from ddp_helpers.lessons.lesson4_preemption import STEPS, TRAIN_SCRIPT, run_preempted, run_uninterrupted
+    from support import course_notebook
+
+    cells = nbformat.read(course_notebook("04_launching_with_torchrun.ipynb"), as_version=4).cells
+    shown = next(cell.source for cell in cells if cell.get("id") == "lesson4-preemption")
+    assert f"```python\n{TRAIN_SCRIPT.rstrip()}\n```" in shown, "the lesson must show the training it runs"
+    log, folder = run_preempted(after_line="step 5 done")
+    assert "preemption warning" in log and "SLURM_RESTART_COUNT=1" in log, log
+    steps = [int(step) for step in re.findall(r"^step (\d+) done", log, flags=re.M)]
+    assert steps == list(range(STEPS)), log
+    assert re.search(r"saved after step (\d+)", log) and "resuming at step" in log, log
+    preempted = torch.load(folder / "snapshot.pt", weights_only=True)
+    uninterrupted = torch.load(run_uninterrupted() / "snapshot.pt", weights_only=True)
+    assert preempted["step"] == uninterrupted["step"] == STEPS - 1
+    for name, value in uninterrupted["model"].items():
+        assert torch.equal(preempted["model"][name], value), name

@@ -1,0 +1,165 @@
+"""Lesson 4: preemption on Slurm. A job asks for a warning signal before it is stopped (`--signal=B:USR1@T`)
+and may be requeued (`--requeue`); on the warning, its training saves a snapshot at the end of the step
+and exits, the job script requeues the job, and the requeued job resumes from the snapshot. Run for real
+when a Slurm cluster answers (the tests run it on their two-node cluster), with `scancel --signal` standing
+in for the scheduler's warning, so that nobody waits for a time limit.
+
+The lesson shows TRAIN_SCRIPT and the job script; the Slurm test holds the notebook's copy of the
+training script to this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STEPS = 30
+
+TRAIN_SCRIPT = '''\
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+folder = sys.argv[1]  # on storage every node sees: the snapshot must outlive the job
+warned = False
+
+
+def on_warning(signum, frame):  # the job script passes Slurm's warning on to every rank
+    global warned
+    warned = True
+
+
+signal.signal(signal.SIGUSR1, on_warning)
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(8, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+first_step, snapshot_path = 0, os.path.join(folder, "snapshot.pt")
+if os.path.exists(snapshot_path):
+    snapshot = torch.load(snapshot_path, weights_only=True)
+    model.module.load_state_dict(snapshot["model"])
+    optimizer.load_state_dict(snapshot["optimizer"])
+    first_step = snapshot["step"] + 1
+    print(f"rank {rank}: requeued (SLURM_RESTART_COUNT={os.environ.get('SLURM_RESTART_COUNT', 0)}), "
+          f"resuming at step {first_step}", flush=True)
+
+for step in range(first_step, STEPS):
+    inputs = torch.randn(16, 8, generator=torch.Generator().manual_seed(step * 2 + rank))
+    loss = (model(inputs) - inputs.sum(1, keepdim=True)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    if rank == 0:
+        print(f"step {step} done", flush=True)
+    # Every rank stops at the same step: the warning may reach them at different moments.
+    stop = torch.tensor([float(warned)])
+    dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+    if stop.item() or step == STEPS - 1:
+        if rank == 0:  # complete or absent: write, then rename
+            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
+                       snapshot_path + ".tmp")
+            os.replace(snapshot_path + ".tmp", snapshot_path)
+        if stop.item() and step < STEPS - 1:
+            print(f"rank {rank}: warned of preemption, saved after step {step}, exiting", flush=True)
+            break
+    time.sleep(0.2)  # a slower step: time for the warning to arrive mid-training
+dist.destroy_process_group()
+'''.replace("STEPS", str(STEPS))
+
+
+def job_script(train_script: Path, folder: Path, warning_s: int = 60) -> str:
+    """The sbatch script: one node, torchrun with 2 ranks; on the warning, pass it to the ranks, wait for
+    them to save and exit, and requeue the job."""
+    python = shlex.quote(sys.executable)
+    return "\n".join([
+        "#!/bin/bash",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks=1",
+        f"#SBATCH --signal=B:USR1@{warning_s}   # SIGUSR1 to this script {warning_s} s before the job is stopped",
+        "#SBATCH --requeue                # the job may go back into the queue, and start again from the top",
+        "#SBATCH --open-mode=append       # each start adds to the log instead of replacing it",
+        f"#SBATCH --output={folder}/job.out",
+        "warned=0",
+        "trap 'warned=1; echo \"preemption warning: passing it on to the ranks\"; pkill -USR1 -P \"$agent\"' USR1",
+        f"{python} -m torch.distributed.run --standalone --nproc-per-node 2 {shlex.quote(str(train_script))} "
+        f"{shlex.quote(str(folder))} &",
+        "agent=$!",
+        'while kill -0 "$agent" 2>/dev/null; do wait "$agent"; done   # a trapped signal interrupts wait: wait again',
+        'if [ "$warned" = 1 ]; then scontrol requeue "$SLURM_JOB_ID"; fi   # back into the queue, to resume',
+        "",
+    ])
+
+
+def run_preempted(after_line: str = "step 5 done", timeout_s: float = 300) -> tuple[str, Path]:
+    """Submit TRAIN_SCRIPT's job, send its warning (`scancel --signal=USR1 --batch`) once the log shows
+    `after_line`, and wait until the requeued job completes (Slurm holds a requeued job about two minutes
+    before it may start again: measured on the test cluster, Slurm 22.05). Returns (the job's log, the
+    folder holding its final snapshot). The job is cancelled if anything goes wrong on the way."""
+    folder = Path(tempfile.mkdtemp(prefix="preemption-"))  # must be on a file system every node sees
+    (folder / "train.py").write_text(TRAIN_SCRIPT)
+    (folder / "job.sbatch").write_text(job_script(folder / "train.py", folder))
+    submitted = _slurm(["sbatch", "--parsable", str(folder / "job.sbatch")])
+    job_id = submitted.stdout.strip().split(";")[0]
+    log = folder / "job.out"
+    finished = False
+    try:
+        deadline = time.monotonic() + timeout_s
+        _wait(lambda: log.exists() and after_line in log.read_text(), deadline, f"the job to print {after_line!r}")
+        _slurm(["scancel", "--signal=USR1", "--batch", job_id])
+        _wait(lambda: _job_field(job_id, "Restarts") == "1", deadline, "the job to be requeued")
+        _wait(lambda: _job_field(job_id, "JobState") not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"),
+              deadline, "the requeued job to end")
+        state = _job_field(job_id, "JobState")
+        if state != "COMPLETED":
+            shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True).stdout
+            raise RuntimeError(f"Slurm job {job_id} ended {state} ({shown.strip()}): {log.read_text()[-1500:]}")
+        finished = True
+        return log.read_text(), folder
+    finally:
+        if not finished:
+            with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
+                _slurm(["scancel", job_id])
+
+
+def _slurm(command: list[str]) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip() or done.stdout.strip()}")
+    return done
+
+
+def _job_field(job_id: str, field: str) -> str:
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
+    return next((word.split("=", 1)[1] for word in shown.split() if word.startswith(f"{field}=")), "")
+
+
+def _wait(condition, deadline: float, what: str) -> None:
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def run_uninterrupted(timeout_s: float = 120) -> Path:
+    """The same training run through, on this machine with plain torchrun: the folder of its final snapshot."""
+    from .plain_torchrun import run_torchrun_command
+
+    folder = Path(tempfile.mkdtemp(prefix="uninterrupted-"))
+    (folder / "train.py").write_text(TRAIN_SCRIPT)
+    code, output = run_torchrun_command(["--standalone", "--nproc-per-node", "2", str(folder / "train.py"), str(folder)],
+                                        timeout_s=timeout_s)
+    if code != 0:
+        raise RuntimeError(f"the uninterrupted training failed (exit code {code}): {output[-1500:]}")
+    return folder

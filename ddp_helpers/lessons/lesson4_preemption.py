@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .slurm_jobs import has_ended, job_field, wait_until
+
 STEPS = 30
 
 TRAIN_SCRIPT = '''\
@@ -116,12 +118,11 @@ def run_preempted(after_line: str = "step 5 done", timeout_s: float = 300) -> tu
     finished = False
     try:
         deadline = time.monotonic() + timeout_s
-        _wait(lambda: log.exists() and after_line in log.read_text(), deadline, f"the job to print {after_line!r}")
+        wait_until(lambda: log.exists() and after_line in log.read_text(), deadline, f"the job to print {after_line!r}")
         _slurm(["scancel", "--signal=USR1", "--batch", job_id])
-        _wait(lambda: _job_field(job_id, "Restarts") == "1", deadline, "the job to be requeued")
-        _wait(lambda: _job_field(job_id, "JobState") not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"),
-              deadline, "the requeued job to end")
-        state = _job_field(job_id, "JobState")
+        wait_until(lambda: job_field(job_id, "Restarts") == "1", deadline, "the job to be requeued")
+        wait_until(lambda: has_ended(job_id), deadline, "the requeued job to end")
+        state = job_field(job_id, "JobState")
         if state != "COMPLETED":
             shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True).stdout
             raise RuntimeError(f"Slurm job {job_id} ended {state} ({shown.strip()}): {log.read_text()[-1500:]}")
@@ -138,18 +139,6 @@ def _slurm(command: list[str]) -> subprocess.CompletedProcess:
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip() or done.stdout.strip()}")
     return done
-
-
-def _job_field(job_id: str, field: str) -> str:
-    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
-    return next((word.split("=", 1)[1] for word in shown.split() if word.startswith(f"{field}=")), "")
-
-
-def _wait(condition, deadline: float, what: str) -> None:
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def run_uninterrupted(timeout_s: float = 120) -> Path:

@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .slurm_jobs import has_ended, job_field, wait_until
+
 TASK_SCRIPT = '''\
 import os
 
@@ -70,7 +72,8 @@ def run_as_srun_tasks(nodes: int = 2, tasks_per_node: int = 2, timeout_s: float 
     job_id = submitted.stdout.strip().split(";")[0]
     ended = False
     try:
-        state = _end_state(job_id, timeout_s)
+        wait_until(lambda: has_ended(job_id), time.monotonic() + timeout_s, f"Slurm job {job_id} to end (cancelled)")
+        state = job_field(job_id, "JobState")
         ended = True
     finally:
         if not ended:
@@ -81,15 +84,3 @@ def run_as_srun_tasks(nodes: int = 2, tasks_per_node: int = 2, timeout_s: float 
         job_log = (folder / "job.out").read_text() if (folder / "job.out").exists() else ""
         raise RuntimeError(f"Slurm job {job_id} ended {state}: {job_log[-1000:]} {outputs}")
     return dict(sorted(outputs.items()))
-
-
-def _end_state(job_id: str, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True,
-                               timeout=30).stdout
-        state = next((word.split("=", 1)[1] for word in shown.split() if word.startswith("JobState=")), "")
-        if state and state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
-            return state
-        time.sleep(0.3)
-    raise TimeoutError(f"Slurm job {job_id} had not ended after {timeout_s:.0f} s (cancelled)")

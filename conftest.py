@@ -88,9 +88,7 @@ def pytest_ignore_collect(collection_path, config):
 # (a JupyterLab each), while the third worker takes the rest; notebooks under nbmake (`--nbmake
 # notebooks/`) go one after another. The Slurm tests share one cluster.
 SERIAL_GROUPS = {"test_slurm.py": "slurm"}
-# The longest chains start first; the Slurm chain (mostly waiting on Slurm, e.g. its hold on a requeued job)
-# starts at once on the third worker, so that its waits overlap the notebooks instead of ending the run.
-CHAINS_FIRST = ("browser-even", "browser-odd", "slurm", "nbmake")
+CHAINS_FIRST = ("browser-even", "browser-odd", "nbmake")  # the longest chains start first
 
 
 def _browser_chain(item) -> str:

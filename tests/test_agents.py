@@ -81,12 +81,13 @@ def test_two_agents_make_one_world_with_every_rank_labelled(write_script):
 
 @pytest.mark.parametrize("failing", ["1", "3"])
 def test_a_rank_failing_after_the_others_finished_ends_the_run_at_once(write_script, failing):
-    # The other agent's ranks are done: it would wait 5 minutes at torchrun's exit barrier for the failed one.
+    # The other agent's ranks are done: it would wait 5 minutes at torchrun's exit barrier for the failed one,
+    # and this run's 90 s timeout would stop it. (Not a bound on speed: a loaded machine takes 30 s and more.)
     late = IDENTITY.replace("dist.barrier()\n", "")
-    run = run_on_cpu(write_script("late", late), nproc=2, nnodes=2, stream=False, timeout_s=60,
+    run = run_on_cpu(write_script("late", late), nproc=2, nnodes=2, stream=False, timeout_s=90,
                      extra_env={"FAIL_RANK": failing})
     assert not run.ok and not run.timed_out, failure_report(run)
-    assert run.first_failure.rank == int(failing) and run.wall_time_s < 30
+    assert run.first_failure.rank == int(failing)
 
 
 def test_a_rank_failing_under_the_second_agent_is_named(write_script):

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .slurm_jobs import has_ended, job_field, wait_until
+from .slurm_jobs import has_ended, job_field, slurm, submit, wait_until
 
 STEPS = 30
 
@@ -112,14 +112,13 @@ def run_preempted(after_line: str = "step 5 done", timeout_s: float = 300) -> tu
     folder = Path(tempfile.mkdtemp(prefix="preemption-"))  # must be on a file system every node sees
     (folder / "train.py").write_text(TRAIN_SCRIPT)
     (folder / "job.sbatch").write_text(job_script(folder / "train.py", folder))
-    submitted = _slurm(["sbatch", "--parsable", str(folder / "job.sbatch")])
-    job_id = submitted.stdout.strip().split(";")[0]
+    job_id = submit(folder / "job.sbatch")
     log = folder / "job.out"
     finished = False
     try:
         deadline = time.monotonic() + timeout_s
         wait_until(lambda: log.exists() and after_line in log.read_text(), deadline, f"the job to print {after_line!r}")
-        _slurm(["scancel", "--signal=USR1", "--batch", job_id])
+        slurm(["scancel", "--signal=USR1", "--batch", job_id])
         wait_until(lambda: job_field(job_id, "Restarts") == "1", deadline, "the job to be requeued")
         wait_until(lambda: has_ended(job_id), deadline, "the requeued job to end")
         state = job_field(job_id, "JobState")
@@ -131,14 +130,7 @@ def run_preempted(after_line: str = "step 5 done", timeout_s: float = 300) -> tu
     finally:
         if not finished:
             with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
-                _slurm(["scancel", job_id])
-
-
-def _slurm(command: list[str]) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip() or done.stdout.strip()}")
-    return done
+                slurm(["scancel", job_id])
 
 
 def run_uninterrupted(timeout_s: float = 120) -> Path:

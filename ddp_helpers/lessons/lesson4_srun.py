@@ -2,7 +2,7 @@
 to rank, local rank and world size, the job script that starts it, and a run of both on a Slurm cluster
 when one answers from here (the tests run it on their two-node cluster).
 
-The lesson shows TASK_SCRIPT in a markdown block; tests/test_structure.py keeps the two the same.
+The lesson shows TASK_SCRIPT in a markdown block; tests/test_slurm.py keeps the two the same.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .slurm_jobs import has_ended, job_field, wait_until
+from .slurm_jobs import has_ended, job_field, slurm, submit, wait_until
 
 TASK_SCRIPT = '''\
 import os
@@ -65,11 +65,7 @@ def run_as_srun_tasks(nodes: int = 2, tasks_per_node: int = 2, timeout_s: float 
     task_script = folder / "train.py"
     task_script.write_text(TASK_SCRIPT)
     (folder / "job.sbatch").write_text(job_script(task_script, folder, nodes, tasks_per_node))
-    submitted = subprocess.run(["sbatch", "--parsable", str(folder / "job.sbatch")], capture_output=True,
-                               text=True, timeout=30)
-    if submitted.returncode != 0:
-        raise RuntimeError(f"sbatch refused the job: {submitted.stderr.strip() or submitted.stdout.strip()}")
-    job_id = submitted.stdout.strip().split(";")[0]
+    job_id = submit(folder / "job.sbatch")
     ended = False
     try:
         wait_until(lambda: has_ended(job_id), time.monotonic() + timeout_s, f"Slurm job {job_id} to end (cancelled)")
@@ -77,8 +73,8 @@ def run_as_srun_tasks(nodes: int = 2, tasks_per_node: int = 2, timeout_s: float 
         ended = True
     finally:
         if not ended:
-            with contextlib.suppress(OSError, subprocess.SubprocessError):
-                subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+            with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
+                slurm(["scancel", job_id])
     outputs = {int(path.stem.removeprefix("task")): path.read_text() for path in folder.glob("task*.out")}
     if state != "COMPLETED":
         job_log = (folder / "job.out").read_text() if (folder / "job.out").exists() else ""

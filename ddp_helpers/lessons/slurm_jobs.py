@@ -1,13 +1,27 @@
-"""Watching a plain Slurm job from lesson 4's demonstrations (srun tasks, preemption): a field of
-`scontrol show job`, and waiting for a condition with a deadline."""
+"""Plain Slurm jobs for lesson 4's demonstrations (srun tasks, preemption): submitting one, running a
+Slurm command, a field of `scontrol show job`, and waiting for a condition with a deadline."""
 
 from __future__ import annotations
 
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 STILL_GOING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
+
+
+def slurm(command: list[str]) -> subprocess.CompletedProcess:
+    """Run a Slurm command; RuntimeError with Slurm's own words if it fails."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip() or done.stdout.strip()}")
+    return done
+
+
+def submit(job_script: Path) -> str:
+    """`sbatch` the script: its job id."""
+    return slurm(["sbatch", "--parsable", str(job_script)]).stdout.strip().split(";")[0]
 
 
 def job_field(job_id: str, field: str) -> str:

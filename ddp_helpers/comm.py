@@ -63,6 +63,10 @@ class count_collectives(TorchDispatchMode):
         super().__init__()
         self.calls: dict[str, int] = defaultdict(int)
         self.bytes: dict[str, int] = defaultdict(int)
+        # For each all-gather and reduce-scatter, in call order: how many ranks it spanned (the whole
+        # tensor over this rank's shard), which a sub-group such as FSDP's reshard_after_forward=N makes
+        # smaller than the world.
+        self.group_sizes: dict[str, list[int]] = defaultdict(list)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
@@ -73,6 +77,10 @@ class count_collectives(TorchDispatchMode):
             whole = max((sum(t.numel() * t.element_size() for t in _tensors(arg)) for arg in args), default=0)
             if func.namespace == "_c10d_functional" and kind == "all_gather":
                 whole *= args[1]  # (shard, group_size, group_name)
+                self.group_sizes[kind].append(args[1])
+            elif kind in ("all_gather", "reduce_scatter"):
+                shard = min(size for size in (sum(t.numel() * t.element_size() for t in _tensors(arg)) for arg in args) if size)
+                self.group_sizes[kind].append(whole // shard)
             self.calls[kind] += 1
             self.bytes[kind] += whole
         return func(*args, **(kwargs or {}))

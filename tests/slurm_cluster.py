@@ -61,7 +61,9 @@ class LocalSlurmCluster:
         host = socket.gethostname().split(".")[0]
         lines = [
             "ClusterName=lessons", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={_free_port()}",
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={b / 'run' / 'munge.socket'}",
+            # cred_expire also sets how long a requeued job waits before it may start again (slurm.conf(5):
+            # cred_expire + 1 s, 120 s by default); 10 s keeps the preemption test's requeue short.
+            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={b / 'run' / 'munge.socket'},cred_expire=10",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none", "SlurmUser=root", "SlurmdUser=root",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "MailProg=/bin/true",

@@ -248,7 +248,15 @@ def open_notebook(page, lab, name: str) -> None:
     """Open notebooks/<name> in a workspace of its own, reset: only it is open, whatever ran before."""
     page.goto(f"{lab.url}/lab/workspaces/{Path(name).stem}/tree/notebooks/{name}?reset&token={lab.token}")
     page.wait_for_selector(f"{PANEL} .jp-CodeCell", timeout=90_000)
-    page.wait_for_selector(f"{PANEL} .jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+    # The execution indicator says "idle" while the notebook has no kernel yet, and a Run All then is
+    # dropped: wait for the toolbar to name a kernel, and for that kernel to be idle.
+    page.wait_for_function(
+        "(panel) => { const name = document.querySelector(panel + ' .jp-Toolbar-kernelName');"
+        " const status = document.querySelector(panel + ' .jp-Notebook-ExecutionIndicator');"
+        " return name && status && !['No Kernel', 'Kernel'].includes(name.getAttribute('aria-label'))"
+        " && status.dataset.status === 'idle'; }",
+        arg=PANEL, timeout=90_000,
+    )
 
 
 def output_texts(page) -> list[str]:

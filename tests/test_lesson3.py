@@ -114,14 +114,22 @@ def test_collectives_are_counted_with_their_bytes(write_script):
             torch.ones(5) + 1                                                  # not a collective
         record("summary", comm.summary())
         record("received", bytes_received_per_rank(comm.summary(), world))
+        pair = dist.new_group([0, 1])  # a sub-group, as FSDP's reshard_after_forward=2 makes at world 4
+        with count_collectives() as in_pair:
+            if dist.get_rank() in (0, 1):
+                dist.all_gather_into_tensor(torch.empty(8), torch.ones(4), group=pair)
+            dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * world))
+        record("group_sizes", [dict(comm.group_sizes), dict(in_pair.group_sizes)])
         dist.destroy_process_group()
     """)
-    run = run_on_cpu(script, nproc=2, stream=False)
+    run = run_on_cpu(script, nproc=3, stream=False)
     assert run.ok, failure_report(run)
     assert run.ranks[1].facts["summary"] == {
-        "all_reduce": {"calls": 2, "bytes": 480}, "all_gather": {"calls": 1, "bytes": 48},
+        "all_reduce": {"calls": 2, "bytes": 480}, "all_gather": {"calls": 1, "bytes": 72},
         "broadcast": {"calls": 1, "bytes": 12}}
-    assert run.ranks[1].facts["received"] == {"all_reduce": 480.0, "all_gather": 24.0, "broadcast": 6.0}
+    assert run.ranks[1].facts["received"] == pytest.approx({"all_reduce": 640.0, "all_gather": 48.0, "broadcast": 8.0})
+    # The world's all-gather; then the pair's all-gather and the world's reduce-scatter.
+    assert run.ranks[1].facts["group_sizes"] == [{"all_gather": [3]}, {"all_gather": [2], "reduce_scatter": [3]}]
 
 
 def test_optimizer_state_dict_saved_with_dcp_passes(write_script):

@@ -106,8 +106,8 @@ def job_script(train_script: Path, folder: Path, warning_s: int = 60) -> str:
 
 def run_preempted(after_line: str = "step 5 done", timeout_s: float = 300) -> tuple[str, Path]:
     """Submit TRAIN_SCRIPT's job, send its warning (`scancel --signal=USR1 --batch`) once the log shows
-    `after_line`, and wait until the requeued job completes (Slurm holds a requeued job about two minutes
-    before it may start again: measured on the test cluster, Slurm 22.05). Returns (the job's log, the
+    `after_line`, and wait until the requeued job completes (Slurm holds a requeued job for its
+    `AuthInfo=cred_expire` + 1 s before it may start again: 121 s by default, slurm.conf(5)). Returns (the job's log, the
     folder holding its final snapshot). The job is cancelled if anything goes wrong on the way."""
     folder = Path(tempfile.mkdtemp(prefix="preemption-"))  # must be on a file system every node sees
     (folder / "train.py").write_text(TRAIN_SCRIPT)

@@ -78,9 +78,12 @@ class count_collectives(TorchDispatchMode):
             if func.namespace == "_c10d_functional" and kind == "all_gather":
                 whole *= args[1]  # (shard, group_size, group_name)
                 self.group_sizes[kind].append(args[1])
-            elif kind in ("all_gather", "reduce_scatter"):
-                shard = min(size for size in (sum(t.numel() * t.element_size() for t in _tensors(arg)) for arg in args) if size)
-                self.group_sizes[kind].append(whole // shard)
+            elif func.namespace == "_c10d_functional" and kind == "reduce_scatter":
+                self.group_sizes[kind].append(args[2])  # (whole, reduce_op, group_size, group_name)
+            elif kind in ("all_gather", "reduce_scatter"):  # c10d: the whole tensor and this rank's shard
+                sizes = [sum(t.numel() * t.element_size() for t in _tensors(arg)) for arg in args]
+                shard = min((size for size in sizes if size), default=0)
+                self.group_sizes[kind].append(whole // shard if shard else 0)
             self.calls[kind] += 1
             self.bytes[kind] += whole
         return func(*args, **(kwargs or {}))

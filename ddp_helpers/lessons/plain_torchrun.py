@@ -44,11 +44,13 @@ def torchrun_in_background(arguments: list[str], marker: str | None = None,
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+        # The workers run in process groups of their own and hold the output pipe open: kill them before
+        # reading the output to its end, or that waits for them (a rank in `time.sleep(30)`: 30 s).
+        kill_marked(marker, MARKER_ENV)
         if process.stdout.closed:  # the block read the output to its end
             process.wait()
         else:
             process.communicate()
-        kill_marked(marker, MARKER_ENV)
 
 
 def run_torchrun_commands(commands: list[list[str]], start_gap_s: float = 0.0, timeout_s: float = 60,

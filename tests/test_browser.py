@@ -53,9 +53,10 @@ LESSON_EXPECTATIONS = {
     "05": ("\u2713 and the report names the ranks that never called it", "the run still hangs. The ranks disagree", 1),
     "06": ("\u2713 fp16 sent exactly half the bytes in every step", "not half. Register a communication hook", 5),
 }
+# Seconds with no cell running and cells left unrun after which Run All has stopped at an error (Run All
+# queues every cell at once, so between two cells some cell is always queued or running).
+RUN_ALL_STOPPED_S = 4
 # Text forms that mean a widget did not render as a widget.
-# Seconds with no cell running and cells left unrun after which Run All has stopped at an error.
-RUN_ALL_STOPPED_S = 10
 WIDGET_TEXT_FORMS = ("IntSlider(", "VBox(children", "sliders need a live Jupyter kernel")
 
 

@@ -32,8 +32,6 @@ def steps_done(text: str) -> list[int]:
 
 def check_resume_exercise(run: RunResult) -> ExerciseReport:
     """Name what keeps the killed-and-restarted run from ending as an uninterrupted one, or confirm it does."""
-    from .. import run_script
-
     report = ExerciseReport(verdict_when_passed="All checks pass: killed and restarted, the training ends bitwise "
                                                 "where an uninterrupted run does.")
     if run.timed_out or not run.ok:
@@ -44,22 +42,37 @@ def check_resume_exercise(run: RunResult) -> ExerciseReport:
                                "'step 5 done' (keep that print line)")
         return report
     mine = _final_snapshot(run)  # read before anything else runs
-    reference = run_script(REFERENCE_SCRIPT, nproc=run.config.ranks_per_agent, backend=run.backend, stream=False,
-                           timeout_s=max(run.config.timeout_s, 60),
-                           run_dir=run.run_dir.with_name(run.run_dir.name + "-reference"))
-    reference.raise_for_failure()  # the checker's own script: a failure here is not the learner's
-    _judge_steps(run, reference, report)
-    theirs = _final_snapshot(reference)
-    if theirs is None:
-        raise RuntimeError(f"the exercise's reference run wrote no {SNAPSHOT_NAME} in {reference.run_dir}")
+    expected, theirs = _reference(run)
+    _judge_steps(run, expected, report)
     _judge_snapshots(mine, theirs, report)
     return report
 
 
-def _judge_steps(run: RunResult, reference: RunResult, report: ExerciseReport) -> None:
+# (ranks, backend) -> (the steps the reference printed, its final snapshot): the reference is the exercise
+# as given, bitwise the same every time, so a kernel runs it once per world size and backend.
+_REFERENCES: dict[tuple[int, str], tuple[list[int], dict]] = {}
+
+
+def _reference(run: RunResult) -> tuple[list[int], dict]:
+    """The checker's own run of the exercise as given, without a kill, at `run`'s world size and backend."""
+    from .. import run_script
+
+    key = (run.config.ranks_per_agent, run.backend)
+    if key not in _REFERENCES:
+        reference = run_script(REFERENCE_SCRIPT, nproc=key[0], backend=key[1], stream=False,
+                               timeout_s=max(run.config.timeout_s, 60),
+                               run_dir=run.run_dir.with_name(run.run_dir.name + "-reference"))
+        reference.raise_for_failure()  # the checker's own script: a failure here is not the learner's
+        snapshot = _final_snapshot(reference)
+        if snapshot is None:
+            raise RuntimeError(f"the exercise's reference run wrote no {SNAPSHOT_NAME} in {reference.run_dir}")
+        _REFERENCES[key] = (steps_done(reference.ranks[0].stdout), snapshot)
+    return _REFERENCES[key]
+
+
+def _judge_steps(run: RunResult, expected: list[int], report: ExerciseReport) -> None:
     attempts = [steps_done(text) for text in run.ranks[0].attempts]
     done = [step for steps in attempts for step in steps]
-    expected = steps_done(reference.ranks[0].stdout)
     repeated = sorted({step for step in done if done.count(step) > 1})
     lost = sorted(set(expected) - set(done))
     if repeated:

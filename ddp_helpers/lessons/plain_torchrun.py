@@ -28,29 +28,37 @@ def torchrun_in_background(arguments: list[str], marker: str | None = None,
     process (output on `.stdout`, text). When the block ends, the agent and every process it started
     are killed."""
     from ..config import inherited_environment
-    from ..processes import arm_parent_death_signal, kill_marked
+    from ..processes import arm_parent_death_signal
 
     marker = marker or uuid.uuid4().hex
     env = inherited_environment()
-    env.update({MARKER_ENV: marker,  # found by the sweep below, in every process started
+    env.update({MARKER_ENV: marker,  # found by _stop's sweep, in every process started
                 "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", **(extra_env or {})})
     process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *arguments], env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True,
                                # A killed kernel ends the job too: torchrun stops its workers on SIGTERM.
                                preexec_fn=lambda: arm_parent_death_signal(signal.SIGTERM))
+    process.marker = marker  # for _stop
     try:
         yield process
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        # The workers run in process groups of their own and hold the output pipe open: kill them before
-        # reading the output to its end, or that waits for them (a rank in `time.sleep(30)`: 30 s).
-        kill_marked(marker, MARKER_ENV)
+        _stop(process)
         if process.stdout.closed:  # the block read the output to its end
             process.wait()
         else:
             process.communicate()
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Kill a torchrun agent and every process of its marker. The workers run in process groups of their
+    own and hold the output pipe open: reading the output to its end before they are dead waits for
+    them (a rank in `time.sleep(30)`: 30 s)."""
+    from ..processes import kill_marked
+
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    kill_marked(process.marker, MARKER_ENV)
 
 
 def run_torchrun_commands(commands: list[list[str]], start_gap_s: float = 0.0, timeout_s: float = 60,
@@ -75,9 +83,9 @@ def run_torchrun_after(first: list[str], second: list[str], when_first_prints: s
     `when_first_prints` (or has ended): as someone watching the first terminal would start the second.
     [(exit code, None if it had to be stopped; output)] of each; everything they started is killed at
     the end."""
-    marker = uuid.uuid4().hex
     deadline = time.monotonic() + timeout_s
-    with torchrun_in_background(first, marker, extra_env) as first_process:
+    # Each its own marker: the second one's end must not kill the first.
+    with torchrun_in_background(first, extra_env=extra_env) as first_process:
         lines = []
         # The first one's output, line by line, in a thread: a line that never comes must not block the deadline.
         reader = threading.Thread(target=lambda: lines.extend(first_process.stdout), daemon=True)
@@ -86,11 +94,11 @@ def run_torchrun_after(first: list[str], second: list[str], when_first_prints: s
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        with torchrun_in_background(second, marker, extra_env) as second_process:
+        with torchrun_in_background(second, extra_env=extra_env) as second_process:
             second_result = _result_by(second_process, deadline)
         reader.join(max(0.1, deadline - time.monotonic()))
         if reader.is_alive():
-            os.killpg(first_process.pid, signal.SIGKILL)
+            _stop(first_process)
             reader.join()
         first_process.wait()
         return [(first_process.returncode if first_process.returncode >= 0 else None, "".join(lines)), second_result]
@@ -101,7 +109,7 @@ def _result_by(process: subprocess.Popen, deadline: float) -> tuple[int | None, 
         output, _ = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
         return process.returncode, output
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        _stop(process)
         return None, process.communicate()[0]
 
 

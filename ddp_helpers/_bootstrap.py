@@ -245,6 +245,27 @@ def _finish_like_the_interpreter() -> None:
                 pass
 
 
+class _KilledAfterPrinting:
+    """sys.stdout of the rank a demo kills (`kill_rank`, `kill_after`): the rank SIGKILLs itself at the end
+    of the line holding the text, as if the out-of-memory killer struck right then, so it does nothing
+    more (see `local_engine.RankKiller`)."""
+
+    def __init__(self, stream, text: str):
+        self._stream, self._text, self._tail = stream, text, ""
+
+    def write(self, data: str) -> int:
+        written = self._stream.write(data)
+        self._tail = (self._tail + data)[-(len(self._text) + 4096):]
+        found = self._tail.rfind(self._text)
+        if found >= 0 and "\n" in self._tail[found + len(self._text):]:
+            self._stream.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return written
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def _join_run_folder(folder: RunFolder, rank: int):
     """Send the rank's output into the run folder, say who this attempt is, and open its stack file (returned:
     faulthandler writes into it from its signal handler, so it must stay open)."""
@@ -264,6 +285,9 @@ def _join_run_folder(folder: RunFolder, rank: int):
         print(f"{ATTEMPT_MARK} attempt {attempt} of rank {rank} begins (restart count {restart}, world "
               f"size {os.environ.get('WORLD_SIZE')})")
     folder.clear_error(rank)  # an earlier attempt's, before a restart
+    request = folder.read_own_json(folder.kill_request)
+    if request and request.get("rank") == rank and restart == 0:
+        sys.stdout = _KilledAfterPrinting(sys.stdout, request["text"])
     stack_file = open(folder.stack_file(rank), "w")
     if os.environ.get(_hang_probe.OFF_ENV) != "1":
         _hang_probe.serve(folder, rank)

@@ -119,6 +119,8 @@ class LocalEngine(Engine):
     def start(self, run_id: str) -> None:
         self.run_id = run_id
         self._log = open(self.folder.torchrun_log, "wb")
+        if self.config.kill_rank is not None:  # read by the rank itself (_bootstrap): see RankKiller
+            self.folder.write_json(self.folder.kill_request, {"rank": self.config.kill_rank, "text": self.config.kill_after})
         self.process = self._start_supervisor(child_environment(self.config, run_id))
 
     def _start_supervisor(self, env: dict[str, str]) -> subprocess.Popen | WarmProcess:
@@ -185,7 +187,11 @@ class LocalEngine(Engine):
 
 
 class RankKiller:
-    """SIGKILLs `config.kill_rank` once, as soon as its first attempt has printed `config.kill_after`."""
+    """SIGKILLs `config.kill_rank` once, as soon as its first attempt has printed `config.kill_after`, and
+    says so. The rank kills itself first, at the end of that line (`_bootstrap`, from the folder's
+    kill_request): watching its output from here comes later, by then the rank may be a step further
+    (a step whose all-reduce its peers finished but which it never reported), and a demo that kills
+    "after step 5" would not be the same run twice."""
 
     def __init__(self, config: LaunchConfig, folder: RunFolder):
         self._rank, self._text, self._folder = config.kill_rank, config.kill_after, folder

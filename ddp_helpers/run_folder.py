@@ -202,6 +202,12 @@ class RunFolder:
         return self.path / "torchelastic"
 
     @property
+    def kill_request(self) -> Path:
+        """Which rank kills itself once it has printed which text (`kill_rank`, `kill_after`); hidden, so
+        bookkeeping."""
+        return self.path / ".kill_request.json"
+
+    @property
     def supervisor_spec(self) -> Path:
         """The `SupervisorSpec` the local engine hands its supervisor."""
         return self.path / "supervisor.json"

@@ -74,14 +74,14 @@ class count_collectives(TorchDispatchMode):
                 else _FUNCTIONAL_KINDS.get(name) if func.namespace == "_c10d_functional" else None)
         if kind is not None:
             # Gathers and scatters pass the whole tensor and a shard (or a list of shards): take the whole.
-            whole = max((sum(t.numel() * t.element_size() for t in _tensors(arg)) for arg in args), default=0)
+            sizes = [sum(t.numel() * t.element_size() for t in _tensors(arg)) for arg in args]
+            whole = max(sizes, default=0)
             if func.namespace == "_c10d_functional" and kind == "all_gather":
                 whole *= args[1]  # (shard, group_size, group_name)
                 self.group_sizes[kind].append(args[1])
             elif func.namespace == "_c10d_functional" and kind == "reduce_scatter":
                 self.group_sizes[kind].append(args[2])  # (whole, reduce_op, group_size, group_name)
             elif kind in ("all_gather", "reduce_scatter"):  # c10d: the whole tensor and this rank's shard
-                sizes = [sum(t.numel() * t.element_size() for t in _tensors(arg)) for arg in args]
                 shard = min((size for size in sizes if size), default=0)
                 self.group_sizes[kind].append(whole // shard if shard else 0)
             self.calls[kind] += 1

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from ddp_helpers import LaunchError, launch, make_launch_config
+from ddp_helpers.lessons import slurm_jobs
 from ddp_helpers.slurm import SlurmJob
 from ddp_helpers.run_folder import RUN_ID_ENV
 from slurm_cluster import LocalSlurmCluster, slurm_installed
@@ -24,7 +25,6 @@ from support import failure_report, processes_left
 
 WHO = """
 import os
-import re
 import torch
 import torch.distributed as dist
 from ddp_helpers import record
@@ -71,12 +71,8 @@ def cluster():
 
 
 def wait_until(condition, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting until {what}")
+    """Poll `condition` for up to `timeout_s`; TimeoutError naming `what` (lesson 4's poller, by duration)."""
+    slurm_jobs.wait_until(condition, time.monotonic() + timeout_s, f"{what} (within {timeout_s} s)")
 
 
 def test_a_two_node_cell_makes_one_world_with_every_ranks_output_and_facts(cluster, ipython, capsys):
@@ -187,14 +183,8 @@ def test_a_job_slurm_refuses_is_one_error_with_slurms_message(cluster, write_scr
 
 def job_end_state(job_id: str, timeout_s: float = 120) -> str:
     """The state a job ends in, from plain `scontrol` (Slurm keeps an ended job for MinJobAge, 300 s)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True).stdout
-        state = next((word.split("=", 1)[1] for word in shown.split() if word.startswith("JobState=")), "")
-        if state and state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
-            return state
-        time.sleep(0.3)
-    raise AssertionError(f"job {job_id} still not ended after {timeout_s} s: {shown}")
+    wait_until(lambda: slurm_jobs.has_ended(job_id), timeout_s, f"job {job_id} to end")
+    return slurm_jobs.job_field(job_id, "JobState")
 
 
 def test_the_generated_job_script_runs_with_plain_sbatch(cluster, write_script):

@@ -277,8 +277,11 @@ def warm_zygote(launch_env: dict[str, str], run_env_keys: tuple[str, ...],
 
 
 def prepare_warm_launches(env: dict[str, str], run_env_keys: tuple[str, ...], timeout_s: float = 60) -> bool:
-    """Start the zygote now and wait until it is ready (tests and benchmarks use it). True when ready."""
+    """Start the zygote now and wait until it is ready (tests and benchmarks use it). True when ready. One
+    that died or was stopped (SIGSTOP) since it started is replaced, as the next launch would replace it."""
     with _STARTING:
+        if _ZYGOTE.process is not None and (_ZYGOTE.process.poll() is not None or _stopped(_ZYGOTE.process.pid)):
+            _ZYGOTE.stop()
         if _ZYGOTE.process is None:
             _ZYGOTE.start({k: v for k, v in env.items() if k not in run_env_keys})
     return _ZYGOTE.wait_until_ready(timeout_s)

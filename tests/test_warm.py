@@ -475,3 +475,17 @@ def test_a_stopped_warm_process_is_noticed_and_replaced(write_script, capsys):
                 os.kill(process.pid, signal.SIGCONT)
         warm._ZYGOTE.stop()
         assert prepare_warm_launches()
+
+
+def test_preparing_warm_launches_replaces_a_warm_process_that_died():
+    """What the tests' warm_launches fixture relies on: after an earlier test killed the warm process,
+    preparing starts a new one instead of reporting it not ready."""
+    from ddp_helpers import warm
+    from ddp_helpers.launcher import prepare_warm_launches
+
+    assert prepare_warm_launches()
+    dead = warm._ZYGOTE.process
+    dead.kill()
+    dead.wait()
+    assert prepare_warm_launches(), "a dead warm process was not replaced"
+    assert warm._ZYGOTE.process.pid != dead.pid

@@ -175,9 +175,11 @@ def prompts_js(body: str) -> str:
     ).replace("PANEL", PANEL)
 
 
-def run_all_cells(page, timeout_s: float = 240) -> None:
+def run_all_cells(page, stuck_after_s: float = 300, timeout_s: float = 1200) -> None:
     """Run All, then wait until every code cell has an execution count, or Run All stopped at an error.
 
+    Fails when no cell finishes for `stuck_after_s` (every lesson cell bounds its own run with a timeout
+    of at most two minutes), or after `timeout_s` in all: a whole notebook's time depends on the load.
     A kernel that is still connecting can drop some or all of a Run All (seen on fresh environments:
     no cell ran, or only the first). When nothing runs while cells are left unrun, ask again."""
     state_js = prompts_js(
@@ -186,6 +188,7 @@ def run_all_cells(page, timeout_s: float = 240) -> None:
     )
     deadline = time.monotonic() + timeout_s
     requests, stalled_since = 0, time.monotonic()
+    finished, last_progress = -1, time.monotonic()
     while True:
         ran = state["total"] - state["unrun"] - state["running"] if requests else 0
         # Ask again only while at most the first cell ran: asking once cells have run would run them twice.
@@ -200,6 +203,10 @@ def run_all_cells(page, timeout_s: float = 240) -> None:
         # notebook says which cell and what it raised.
         if (ran > 1 or requests == 4) and not state["running"] and time.monotonic() - stalled_since > RUN_ALL_STOPPED_S:
             return
+        if state["total"] - state["unrun"] - state["running"] != finished:
+            finished, last_progress = state["total"] - state["unrun"] - state["running"], time.monotonic()
+        if time.monotonic() - last_progress > stuck_after_s:
+            raise AssertionError(f"no cell finished for {stuck_after_s} s ({requests} Run All requests): {state}")
         if time.monotonic() > deadline:
             raise AssertionError(f"cells not all run after {timeout_s} s ({requests} Run All requests): {state}")
         if state["running"]:

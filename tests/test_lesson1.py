@@ -19,7 +19,7 @@ def sources():
     return given, solution.split("\n", 1)[1]
 
 
-def test_the_given_pipeline_deadlocks_and_the_checker_says_where(write_script, sources):
+def test_the_given_pipeline_deadlocks_and_the_checker_says_where(write_script, sources, warm_launches):
     run = run_on_cpu(write_script("exercise", sources[0]), timeout_s=8, stream=False)
     report = check_pipeline_exercise(run)
     assert not report.passed

@@ -90,7 +90,7 @@ def test_the_solution_passes(write_script):
 def test_a_wrong_fix_does_not_pass(write_script, wrong_fix):
     source, named = WRONG_FIXES[wrong_fix]
     assert source not in SOURCES, "the wrong fix must change the script"
-    run = run_on_cpu(write_script("exercise", source), nproc=2, stream=False, timeout_s=30)
+    run = run_on_cpu(write_script("exercise", source), nproc=2, stream=False, timeout_s=90)
     report = check_checkpoint_exercise(run)
     assert not report.passed, failure_report(run)
     assert named in str(report), str(report) + "\n" + failure_report(run)

@@ -46,10 +46,13 @@ def run_script(script, **options) -> "RunResult":
 
 
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext ddp_helpers` registers the %%torchrun cell magic."""
+    """`%load_ext ddp_helpers` registers the %%torchrun cell magic, and starts the warm process the
+    launches fork their ranks from (in the background: it is ready a few seconds later)."""
+    from .launcher import prepare_warm_launches
     from .magic import register
 
     register(ipython)
+    prepare_warm_launches(timeout_s=None)
 
 
 __all__ = [

@@ -78,7 +78,8 @@ def follow(engine: Engine, config: LaunchConfig, folder: RunFolder) -> RunResult
     timed_out = False
     try:
         engine.start(run_id)
-        deadline = start + config.timeout_s
+        # The timeout counts from the run's start: not the wait for a warm process still starting.
+        deadline = time.monotonic() + config.timeout_s
         while engine.running():
             streamer.poll()
             if time.monotonic() > deadline:

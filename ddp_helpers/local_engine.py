@@ -258,8 +258,9 @@ def _size(path: Path) -> int:
         return 0
 
 
-def prepare_warm_launches(timeout_s: float = 60) -> bool:
-    """Start the warm process now and wait until it is ready, so the next launch is warm (otherwise the
-    first launch of a process starts it and runs cold). Returns True when it is ready."""
+def prepare_warm_launches(timeout_s: float | None = 60) -> bool:
+    """Start the warm process now and wait until it is ready (otherwise the first launch of a process
+    starts it and waits for it). Returns True when it is ready. `timeout_s=None`: start it in the
+    background and return at once (`%load_ext ddp_helpers` does, so that it is ready by the first cell)."""
     defaults = LaunchConfig(Path(__file__), 1, "gloo", 1.0, Path(os.sep))
     return warm.prepare_warm_launches(child_environment(defaults, ""), RUN_ENV_KEYS, timeout_s)

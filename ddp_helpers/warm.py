@@ -1,8 +1,9 @@
 """The kernel's side of warm launches: starting the zygote (`zygote.py`), deciding per launch whether
 it can be used, and a Popen-like handle for a supervisor it forked.
 
-The zygote starts in the background at the first launch (which runs cold meanwhile) and serves every
-later launch of this process. A launch runs cold, with a one-line note, when the warm path could not
+The zygote starts at the first launch, which waits for it (up to WARM_START_WAIT_S) and runs warm: a
+cold launch beside the zygote's own imports would pay for torch's imports twice, and on a few cores take
+longer than waiting. It serves every later launch of this process. A launch runs cold, with a one-line note, when the warm path could not
 promise the same result: the launch's environment differs in a variable read at import time, torch
 changed on disk since the zygote imported it, or the zygote died. `cold=True` (magic: `--cold`)
 always launches cold, and so does every launch of a process started with DDP_HELPERS_COLD=1.
@@ -28,6 +29,9 @@ from . import _framing
 from .warm_environment import environment_mismatch, packages_fingerprint, torch_fingerprint
 
 COLD_ENV = "DDP_HELPERS_COLD"
+# How long a launch waits for a zygote that is still starting before it runs cold instead (it is ready
+# in a few seconds; much longer means a machine so loaded that the wait would not pay).
+WARM_START_WAIT_S = 30
 ANSWER_TIMEOUT_S = 10  # the zygote answers in milliseconds; silence this long means it is stopped or wedged
 STATUS_GRACE_S = 2  # after the supervisor exited, how long the zygote gets to report it
 
@@ -166,6 +170,17 @@ class ZygoteHandle:
         self.env: dict[str, str] = {}
         self.fingerprint: dict = {}  # what the warm process wrote when ready: fingerprints, variables it read
         self._notes_shown: set[str] = set()
+        self.last_end: str | None = None  # how the last one replaced ended: for an error message
+
+    def how_it_ended(self) -> str:
+        """Its exit status (or that it is stopped) and the end of its log, while its folder still exists."""
+        code = self.process.poll() if self.process is not None else None
+        state = "stopped (SIGSTOP)" if code is None else _how_it_ended(code)
+        try:
+            log = Path(self.folder, "zygote.log").read_text(errors="replace")[-1500:]
+        except (OSError, TypeError):
+            log = "(its folder is gone)"
+        return f"the warm process {state}; its log: {log.strip() or '(empty)'}"
 
     @property
     def socket_path(self) -> str:
@@ -202,7 +217,7 @@ class ZygoteHandle:
         while time.monotonic() < deadline:
             if self.ready():
                 return True
-            if self.process is None or self.process.poll() is not None:
+            if self.process is None or self.process.poll() is not None or _stopped(self.process.pid):
                 return False
             time.sleep(0.05)
         return False
@@ -264,7 +279,10 @@ def warm_zygote(launch_env: dict[str, str], run_env_keys: tuple[str, ...],
     with _STARTING:  # launches from several threads start one zygote, not one each
         if zygote.process is None:
             zygote.start(base_env)
-            return None
+    cell_adds_env = {k: v for k, v in launch_env.items() if k not in run_env_keys} != base_env
+    if not cell_adds_env:  # a cell's --env may differ in a variable read at import: it may run cold anyway
+        zygote.wait_until_ready(WARM_START_WAIT_S)  # starting; one that died or stopped returns at once
+    with _STARTING:
         cold = zygote.why_not(launch_env, base_env)
         if cold is not None:
             reason, replace = cold
@@ -276,14 +294,25 @@ def warm_zygote(launch_env: dict[str, str], run_env_keys: tuple[str, ...],
     return zygote if zygote.ready() else None
 
 
-def prepare_warm_launches(env: dict[str, str], run_env_keys: tuple[str, ...], timeout_s: float = 60) -> bool:
+def prepare_warm_launches(env: dict[str, str], run_env_keys: tuple[str, ...], timeout_s: float | None = 60) -> bool:
     """Start the zygote now and wait until it is ready (tests and benchmarks use it). True when ready. One
-    that died or was stopped (SIGSTOP) since it started is replaced, as the next launch would replace it."""
-    with _STARTING:
-        if _ZYGOTE.process is not None and (_ZYGOTE.process.poll() is not None or _stopped(_ZYGOTE.process.pid)):
-            _ZYGOTE.stop()
-        if _ZYGOTE.process is None:
-            _ZYGOTE.start({k: v for k, v in env.items() if k not in run_env_keys})
-    return _ZYGOTE.wait_until_ready(timeout_s)
+    that died or was stopped (SIGSTOP) since it started is replaced, as the next launch would replace it.
+    `timeout_s=None`: only start it (not under DDP_HELPERS_COLD=1), and return whether it is ready now."""
+    if timeout_s is None and os.environ.get(COLD_ENV) == "1":
+        return False
+    for attempt in range(2):  # a second time when it died while this waited (it was already shutting down)
+        with _STARTING:
+            if _ZYGOTE.process is not None and (_ZYGOTE.process.poll() is not None or _stopped(_ZYGOTE.process.pid)):
+                _ZYGOTE.last_end = _ZYGOTE.how_it_ended()
+                _ZYGOTE.stop()
+            if _ZYGOTE.process is None:
+                _ZYGOTE.start({k: v for k, v in env.items() if k not in run_env_keys})
+        if timeout_s is None:
+            return _ZYGOTE.ready()
+        if _ZYGOTE.wait_until_ready(timeout_s):
+            return True
+        if _ZYGOTE.process is not None and _ZYGOTE.process.poll() is None and not _stopped(_ZYGOTE.process.pid):
+            return False  # alive, and not ready in time
+    return False
 
 

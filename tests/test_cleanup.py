@@ -37,7 +37,7 @@ LAUNCHING_PROCESS = textwrap.dedent(
         assert prepare_warm_launches(), "the warm process did not start"
         print("ZYGOTE", warm._ZYGOTE.process.pid, warm._ZYGOTE.folder, flush=True)
     config = make_launch_config(script, nproc=int(nproc), nnodes=int(nnodes), backend="gloo", hardware=Hardware(()),
-                                run_dir=run_dir, extra_env={"TEST_MARK": marker}, stream=False)
+                                run_dir=run_dir, extra_env={"TEST_MARK": marker}, stream=False, cold=how == "cold")
     try:
         launch(config)
     except KeyboardInterrupt:

@@ -492,3 +492,37 @@ def test_preparing_warm_launches_replaces_a_warm_process_that_died():
     dead.wait()
     assert prepare_warm_launches(), "a dead warm process was not replaced"
     assert warm._ZYGOTE.process.pid != dead.pid
+
+
+FRESH_KERNEL = textwrap.dedent(
+    """
+    import json, sys
+    from IPython.testing.globalipapp import get_ipython
+    from ddp_helpers import warm
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "ddp_helpers")
+    started_at_load = warm._ZYGOTE.process is not None
+    # At once, as Run All does: the cell finds the warm process still starting.
+    shell.run_cell_magic("torchrun", "-n 2 --backend gloo --name first --out first", sys.argv[1])
+    first = shell.user_ns["first"]
+    print("RESULT " + json.dumps({"started_at_load": started_at_load, "ok": first.ok,
+                                  "parents": first.facts("parent"), "zygote": warm._ZYGOTE.process.pid}))
+    """
+)
+
+
+def test_load_ext_starts_the_warm_process_and_the_first_cell_waits_for_it(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FRESH_KERNEL, "import os\nfrom ddp_helpers import record\n"
+                           "record('parent', os.getppid())\n"], capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path)
+    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(line[len("RESULT "):])
+    assert result["started_at_load"], "%load_ext ddp_helpers should start the warm process"
+    assert result["ok"] and result["parents"] == [result["zygote"]] * 2, result  # warm: forked from it
+    assert "cold launch" not in done.stderr, done.stderr[-2000:]

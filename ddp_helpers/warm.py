@@ -1,9 +1,10 @@
 """The kernel's side of warm launches: starting the zygote (`zygote.py`), deciding per launch whether
 it can be used, and a Popen-like handle for a supervisor it forked.
 
-The zygote starts at the first launch, which waits for it (up to WARM_START_WAIT_S) and runs warm: a
-cold launch beside the zygote's own imports would pay for torch's imports twice, and on a few cores take
-longer than waiting. It serves every later launch of this process. A launch runs cold, with a one-line note, when the warm path could not
+The zygote starts at `%load_ext ddp_helpers` (in the background) or at the first launch; a launch that
+finds it still starting waits for it (up to WARM_START_WAIT_S from its start) and runs warm: a cold launch
+beside the zygote's own imports would pay for torch's imports twice, and on a few cores take longer than
+waiting. It serves every launch of this process. A launch runs cold, with a one-line note, when the warm path could not
 promise the same result: the launch's environment differs in a variable read at import time, torch
 changed on disk since the zygote imported it, or the zygote died. `cold=True` (magic: `--cold`)
 always launches cold, and so does every launch of a process started with DDP_HELPERS_COLD=1.
@@ -12,6 +13,7 @@ always launches cold, and so does every launch of a process started with DDP_HEL
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import json
 import os
 import select
@@ -171,6 +173,7 @@ class ZygoteHandle:
         self.fingerprint: dict = {}  # what the warm process wrote when ready: fingerprints, variables it read
         self._notes_shown: set[str] = set()
         self.last_end: str | None = None  # how the last one replaced ended: for an error message
+        self.started_at = 0.0
 
     def how_it_ended(self) -> str:
         """Its exit status (or that it is stopped) and the end of its log, while its folder still exists."""
@@ -188,21 +191,23 @@ class ZygoteHandle:
 
     def start(self, env: dict[str, str]) -> None:
         """Start the zygote in the background, with `env` (a launch's environment, without its run's markers)."""
-        self.folder = tempfile.mkdtemp(prefix="ddp_helpers-zygote-")  # private: 0700
+        folder = tempfile.mkdtemp(prefix="ddp_helpers-zygote-")  # private: 0700
         self.env = dict(env)
-        with open(os.path.join(self.folder, "zygote.log"), "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "ddp_helpers.zygote", str(os.getpid()), self.folder],
-                env=self.env, cwd=self.folder, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        with open(os.path.join(folder, "zygote.log"), "wb") as log:
+            process = _popen_from_a_lasting_thread(
+                [sys.executable, "-m", "ddp_helpers.zygote", str(os.getpid()), folder],
+                env=self.env, cwd=folder, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # the stop button's SIGINT is for the kernel
             )
-        self.fingerprint = {}
+        self.folder, self.fingerprint, self.started_at = folder, {}, time.monotonic()
+        self.process = process
         atexit.register(self.stop)
 
     def ready(self) -> bool:
-        if self.process is None or self.process.poll() is not None:
+        process, folder = self.process, self.folder  # another thread may replace them meanwhile
+        if process is None or process.poll() is not None:
             return False
-        ready = Path(self.folder, "ready")
+        ready = Path(folder, "ready")
         if not ready.is_file():
             return False
         if not self.fingerprint:
@@ -217,7 +222,8 @@ class ZygoteHandle:
         while time.monotonic() < deadline:
             if self.ready():
                 return True
-            if self.process is None or self.process.poll() is not None or _stopped(self.process.pid):
+            process = self.process
+            if process is None or process.poll() is not None or _stopped(process.pid):
                 return False
             time.sleep(0.05)
         return False
@@ -263,6 +269,22 @@ class ZygoteHandle:
         self.process = None
 
 
+def _popen_from_a_lasting_thread(*args, **kwargs) -> subprocess.Popen:
+    """subprocess.Popen, run in the main thread or in one long-lived thread: Linux sends the warm process its
+    parent-death signal when the *thread* that started it ends (prctl(2), PR_SET_PDEATHSIG), so one started
+    by a launch in a short-lived thread (a thread pool's) would be killed with that thread."""
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(*args, **kwargs)
+    global _SPAWNER
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None:
+            _SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddp-helpers-warm")
+            _SPAWNER.submit(lambda: None).result()  # its one thread, started now: it lives as long as this process
+        return _SPAWNER.submit(subprocess.Popen, *args, **kwargs).result()
+
+
+_SPAWNER: concurrent.futures.ThreadPoolExecutor | None = None
+_SPAWNER_LOCK = threading.Lock()
 _ZYGOTE = ZygoteHandle()
 _STARTING = threading.Lock()
 
@@ -279,9 +301,10 @@ def warm_zygote(launch_env: dict[str, str], run_env_keys: tuple[str, ...],
     with _STARTING:  # launches from several threads start one zygote, not one each
         if zygote.process is None:
             zygote.start(base_env)
-    cell_adds_env = {k: v for k, v in launch_env.items() if k not in run_env_keys} != base_env
-    if not cell_adds_env:  # a cell's --env may differ in a variable read at import: it may run cold anyway
-        zygote.wait_until_ready(WARM_START_WAIT_S)  # starting; one that died or stopped returns at once
+    # A cell whose own --env differs may run cold anyway (a variable read at import): it does not wait. Each
+    # warm process gets WARM_START_WAIT_S from its start in all, not per launch.
+    if environment_mismatch(base_env, launch_env) is None:
+        zygote.wait_until_ready(max(0.0, zygote.started_at + WARM_START_WAIT_S - time.monotonic()))
     with _STARTING:
         cold = zygote.why_not(launch_env, base_env)
         if cold is not None:
@@ -295,8 +318,9 @@ def warm_zygote(launch_env: dict[str, str], run_env_keys: tuple[str, ...],
 
 
 def prepare_warm_launches(env: dict[str, str], run_env_keys: tuple[str, ...], timeout_s: float | None = 60) -> bool:
-    """Start the zygote now and wait until it is ready (tests and benchmarks use it). True when ready. One
-    that died or was stopped (SIGSTOP) since it started is replaced, as the next launch would replace it.
+    """Start the zygote now and wait until it is ready (tests, benchmarks; `%load_ext` without waiting). True
+    when ready. One that died or was stopped (SIGSTOP) since it started is replaced, as the next launch would
+    replace it.
     `timeout_s=None`: only start it (not under DDP_HELPERS_COLD=1), and return whether it is ready now."""
     if timeout_s is None and os.environ.get(COLD_ENV) == "1":
         return False

@@ -526,3 +526,19 @@ def test_load_ext_starts_the_warm_process_and_the_first_cell_waits_for_it(tmp_pa
     assert result["started_at_load"], "%load_ext ddp_helpers should start the warm process"
     assert result["ok"] and result["parents"] == [result["zygote"]] * 2, result  # warm: forked from it
     assert "cold launch" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_warm_process_started_from_a_thread_outlives_the_thread():
+    # Linux's parent-death signal follows the thread that started a process, not the process: a launch in a
+    # thread pool's thread must not leave a warm process that dies when that thread ends.
+    import threading
+    import time
+
+    warm._ZYGOTE.stop()
+    started = threading.Thread(target=prepare_warm_launches)
+    started.start()
+    started.join()
+    zygote = warm._ZYGOTE.process
+    time.sleep(1)  # the signal, had it been armed on the thread, arrives at once
+    assert zygote.poll() is None, f"the warm process died with the thread that started it ({zygote.returncode})"
+    assert prepare_warm_launches() and warm._ZYGOTE.process.pid == zygote.pid

@@ -182,7 +182,10 @@ def test_eight_launches_at_once_while_port_29500_is_taken(write_script, warm_lau
         dist.destroy_process_group()
         """,
     )
-    blocker = hold_port(29500)
+    try:
+        blocker = hold_port(29500)
+    except OSError:  # taken already (lesson 4 takes it on purpose in the browser test): as good for this test
+        blocker = None
     runs = [None] * 8
     try:
         def launch_one(i):
@@ -194,7 +197,8 @@ def test_eight_launches_at_once_while_port_29500_is_taken(write_script, warm_lau
         for t in threads:
             t.join()
     finally:
-        blocker.close()
+        if blocker is not None:
+            blocker.close()
     for run in runs:
         assert run.ok, failure_report(run)
         assert run.facts("sum") == [2.0, 2.0]

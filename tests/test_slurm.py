@@ -112,7 +112,7 @@ def test_the_timeout_cancels_the_job_and_leaves_no_process(cluster, write_script
 def test_a_job_still_queued_at_the_timeout_says_it_never_started_and_why(cluster, write_script):
     # --begin holds the job in the queue (reason BeginTime) however idle the cluster is.
     config = make_launch_config(write_script("who", WHO), cluster=SlurmJob(nodes=2, sbatch_args=("--begin=now+1hour",)),
-                                nproc=2, timeout_s=4, stream=False)
+                                nproc=2, timeout_s=10, stream=False)  # time for Slurm to give the reason
     run = launch(config)
     assert run.timed_out and not run.ok
     assert "BeginTime" in run.job_state, run.job_state

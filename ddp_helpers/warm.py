@@ -4,8 +4,8 @@ it can be used, and a Popen-like handle for a supervisor it forked.
 The zygote starts at `%load_ext ddp_helpers` (in the background) or at the first launch; a launch that
 finds it still starting waits for it (up to WARM_START_WAIT_S from its start) and runs warm: a cold launch
 beside the zygote's own imports would pay for torch's imports twice, and on a few cores take longer than
-waiting. It serves every launch of this process. A launch runs cold, with a one-line note, when the warm path could not
-promise the same result: the launch's environment differs in a variable read at import time, torch
+waiting. It serves every launch of this process. A launch runs cold, with a one-line note, when the warm
+path could not promise the same result: the launch's environment differs in a variable read at import time, torch
 changed on disk since the zygote imported it, or the zygote died. `cold=True` (magic: `--cold`)
 always launches cold, and so does every launch of a process started with DDP_HELPERS_COLD=1.
 """
@@ -172,18 +172,12 @@ class ZygoteHandle:
         self.env: dict[str, str] = {}
         self.fingerprint: dict = {}  # what the warm process wrote when ready: fingerprints, variables it read
         self._notes_shown: set[str] = set()
-        self.last_end: str | None = None  # how the last one replaced ended: for an error message
         self.started_at = 0.0
 
-    def how_it_ended(self) -> str:
-        """Its exit status (or that it is stopped) and the end of its log, while its folder still exists."""
-        code = self.process.poll() if self.process is not None else None
-        state = "stopped (SIGSTOP)" if code is None else _how_it_ended(code)
-        try:
-            log = Path(self.folder, "zygote.log").read_text(errors="replace")[-1500:]
-        except (OSError, TypeError):
-            log = "(its folder is gone)"
-        return f"the warm process {state}; its log: {log.strip() or '(empty)'}"
+    def unusable(self) -> bool:
+        """It was started and has died since, or is stopped (SIGSTOP, a debugger)."""
+        process = self.process  # another thread may replace it meanwhile
+        return process is not None and (process.poll() is not None or _stopped(process.pid))
 
     @property
     def socket_path(self) -> str:
@@ -222,8 +216,7 @@ class ZygoteHandle:
         while time.monotonic() < deadline:
             if self.ready():
                 return True
-            process = self.process
-            if process is None or process.poll() is not None or _stopped(process.pid):
+            if self.process is None or self.unusable():
                 return False
             time.sleep(0.05)
         return False
@@ -324,19 +317,11 @@ def prepare_warm_launches(env: dict[str, str], run_env_keys: tuple[str, ...], ti
     `timeout_s=None`: only start it (not under DDP_HELPERS_COLD=1), and return whether it is ready now."""
     if timeout_s is None and os.environ.get(COLD_ENV) == "1":
         return False
-    for attempt in range(2):  # a second time when it died while this waited (it was already shutting down)
-        with _STARTING:
-            if _ZYGOTE.process is not None and (_ZYGOTE.process.poll() is not None or _stopped(_ZYGOTE.process.pid)):
-                _ZYGOTE.last_end = _ZYGOTE.how_it_ended()
-                _ZYGOTE.stop()
-            if _ZYGOTE.process is None:
-                _ZYGOTE.start({k: v for k, v in env.items() if k not in run_env_keys})
-        if timeout_s is None:
-            return _ZYGOTE.ready()
-        if _ZYGOTE.wait_until_ready(timeout_s):
-            return True
-        if _ZYGOTE.process is not None and _ZYGOTE.process.poll() is None and not _stopped(_ZYGOTE.process.pid):
-            return False  # alive, and not ready in time
-    return False
+    with _STARTING:
+        if _ZYGOTE.unusable():
+            _ZYGOTE.stop()
+        if _ZYGOTE.process is None:
+            _ZYGOTE.start({k: v for k, v in env.items() if k not in run_env_keys})
+    return _ZYGOTE.ready() if timeout_s is None else _ZYGOTE.wait_until_ready(timeout_s)
 
 

@@ -294,9 +294,11 @@ def warm_zygote(launch_env: dict[str, str], run_env_keys: tuple[str, ...],
     with _STARTING:  # launches from several threads start one zygote, not one each
         if zygote.process is None:
             zygote.start(base_env)
-    # A cell whose own --env differs may run cold anyway (a variable read at import): it does not wait. Each
-    # warm process gets WARM_START_WAIT_S from its start in all, not per launch.
-    if environment_mismatch(base_env, launch_env) is None:
+    # A cell whose own --env sets a variable of a family read at import (OMP_*, TORCH_*, ...) runs cold anyway:
+    # it does not wait. Other variables (FAIL_RANK=1) are known to be safe only once the warm process has
+    # said what it read: such a launch waits and usually runs warm. Each warm process gets WARM_START_WAIT_S
+    # from its start in all, not per launch.
+    if environment_mismatch(base_env, launch_env, read=set()) is None:
         zygote.wait_until_ready(max(0.0, zygote.started_at + WARM_START_WAIT_S - time.monotonic()))
     with _STARTING:
         cold = zygote.why_not(launch_env, base_env)

@@ -503,8 +503,9 @@ FRESH_KERNEL = textwrap.dedent(
     shell = get_ipython()
     shell.run_line_magic("load_ext", "ddp_helpers")
     started_at_load = warm._ZYGOTE.process is not None
-    # At once, as Run All does: the cell finds the warm process still starting.
-    shell.run_cell_magic("torchrun", "-n 2 --backend gloo --name first --out first", sys.argv[1])
+    # At once, as Run All does: the cell finds the warm process still starting. Its own --env sets a variable
+    # no pre-imported module reads: it waits for the warm process all the same.
+    shell.run_cell_magic("torchrun", "-n 2 --backend gloo --env FAIL_RANK=none --name first --out first", sys.argv[1])
     first = shell.user_ns["first"]
     print("RESULT " + json.dumps({"started_at_load": started_at_load, "ok": first.ok,
                                   "parents": first.facts("parent"), "zygote": warm._ZYGOTE.process.pid}))
@@ -513,6 +514,7 @@ FRESH_KERNEL = textwrap.dedent(
 
 
 def test_load_ext_starts_the_warm_process_and_the_first_cell_waits_for_it(tmp_path):
+    # (This one launch also shows a cell's --env of a variable nothing reads at import keeps the launch warm.)
     import json
     import subprocess
     import sys

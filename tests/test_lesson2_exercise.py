@@ -90,3 +90,24 @@ def test_a_run_that_crashed_is_reported_as_such(write_script):
     run = run_on_cpu(write_script("crash", "raise RuntimeError('oops')\n"), nproc=2, stream=False)
     report = check_training_exercise(run)
     assert report.mistakes == ["the run did not finish; fix the error shown above first"]
+
+
+# Wrong fixes that record or save the right shapes without doing the training: the checkpoint is held to the
+# weights the checker computes itself from the recorded batches.
+@pytest.mark.parametrize("case", ["one rank", "indices recorded, not trained on", "an untrained model saved"])
+def test_shortcuts_the_recorded_facts_cannot_hide_are_caught(write_script, sources, case):
+    nproc, replacements = 2, []
+    if case == "one rank":  # nothing to share and one writer: the unguarded save is never seen
+        nproc = 1
+        replacements = [(RANK0_SAVE, 'torch.save(model.module.state_dict(), "checkpoint.pt")\n')]
+    elif case == "indices recorded, not trained on":  # new orders recorded, epoch 0's trained on every epoch
+        replacements = [(SET_EPOCH, "    seen = []\n"),
+                        (RECORD_EPOCH, '    record(f"epoch{epoch}_indices", list(DistributedSampler(dataset, seed=epoch)))\n')]
+    else:
+        replacements = [(RANK0_SAVE, 'if rank == 0:\n    torch.save(torch.nn.Linear(4, 2).state_dict(), "checkpoint.pt")\n')]
+    run = run_on_cpu(write_script("exercise", wrong_fix(sources[1], *replacements)), nproc=nproc, stream=False)
+    assert run.ok, failure_report(run)
+    report = check_training_exercise(run)
+    expected = ("run the exercise on 2 or more ranks" if case == "one rank"
+                else "the checkpoint's weights are not those the exercise's model, data and optimizer reach")
+    assert len(report.mistakes) == 1 and expected in report.mistakes[0], str(report)

@@ -3,11 +3,16 @@ mistake found.
 
 Lesson 2's exercise is a training script that forgets `sampler.set_epoch`, saves on every rank, and
 saves the DDP wrapper's state_dict (keys prefixed "module."). The checker trusts nothing the script
-says about itself beyond the indices each rank's DataLoader gave it (`epoch0_indices`, ...):
+says about itself beyond the indices each rank's DataLoader gave it (`epoch0_indices`, ...), and those
+are held to the checkpoint:
+- the run has at least 2 ranks (on one, nothing about sharing the data or saving once can go wrong);
 - every epoch's order differs from every other epoch's;
 - in every epoch the ranks' shares are disjoint and cover the data set (up to DistributedSampler's padding);
 - who wrote the checkpoint is observed by the launcher (`RankResult.files_written`), not reported;
-- the checkpoint is loaded and must load into a plain, unwrapped model; a torn or unreadable file is named.
+- the checkpoint is loaded and must load into a plain, unwrapped model; a torn or unreadable file is named;
+- its weights are those the exercise's own model, data and optimizer reach, computed here, when each step
+  averages over the ranks the batches they recorded: a checkpoint of another model (an untrained one), or
+  indices recorded but not trained on, do not match.
 Hints name the mistake found without handing out the fix.
 """
 
@@ -23,6 +28,7 @@ from ..result import RunResult
 
 CHECKPOINT_NAME = "checkpoint.pt"
 DATASET_SIZE = 64  # the exercise's TensorDataset
+BATCH_SIZE = 8  # per rank
 
 
 def _exercise_model():
@@ -37,10 +43,15 @@ def check_training_exercise(run: RunResult) -> ExerciseReport:
     if not run.ok:
         report.mistakes.append("the run did not finish; fix the error shown above first")
         return report
-    _check_epochs(run, report)
+    if len(run.ranks) < 2:
+        report.mistakes.append(f"the run had {len(run.ranks)} rank: run the exercise on 2 or more ranks, as given")
+        return report
+    orders_fine = _check_epochs(run, report)
     path = _check_checkpoint_writers(run, report)
     if path is not None:
-        _check_checkpoint_contents(path, report)
+        state = _check_checkpoint_contents(path, report)
+        if state is not None and orders_fine:
+            _check_trained_weights(state, _epoch_orders(run), report)
     return report
 
 
@@ -53,12 +64,13 @@ def _epoch_orders(run: RunResult) -> dict[int, list[list[int]]] | None:
     return {e: [list(r.facts[f"epoch{e}_indices"]) for r in run.ranks] for e in epochs}
 
 
-def _check_epochs(run: RunResult, report: ExerciseReport) -> None:
+def _check_epochs(run: RunResult, report: ExerciseReport) -> bool:
+    """Whether the recorded orders are fine (new in every epoch, shared between the ranks)."""
     orders = _epoch_orders(run)
     if orders is None or len(orders) < 2:
         report.mistakes.append("record(f'epoch{epoch}_indices', ...) should run on every rank for every epoch "
                                "(keep those lines)")
-        return
+        return False
     epochs = sorted(orders)
     repeated = [(a, b) for i, a in enumerate(epochs) for b in epochs[i + 1:] if orders[a] == orders[b]]
     if repeated:
@@ -83,6 +95,7 @@ def _check_epochs(run: RunResult, report: ExerciseReport) -> None:
         )
     else:
         report.confirmed.append(f"in every epoch the {world} ranks' shares were disjoint and covered the data set")
+    return not repeated and not overlaps
 
 
 def _share_problem(shares: list[list[int]], world: int) -> str | None:
@@ -119,7 +132,8 @@ def _check_checkpoint_writers(run: RunResult, report: ExerciseReport) -> Path | 
     return Path(written[writers[0]][-1])
 
 
-def _check_checkpoint_contents(path: Path, report: ExerciseReport) -> None:
+def _check_checkpoint_contents(path: Path, report: ExerciseReport) -> dict | None:
+    """The checkpoint's state_dict when it loads into the plain model, else None (the mistake named)."""
     import torch
 
     try:
@@ -130,20 +144,64 @@ def _check_checkpoint_contents(path: Path, report: ExerciseReport) -> None:
             f"{path.name} could not be loaded ({type(error).__name__}: {first_line}): it is torn, or holds "
             "something other than a state_dict of tensors"
         )
-        return
+        return None
     if not isinstance(state, dict):
         report.mistakes.append(f"{path.name} holds a {type(state).__name__}, not a state_dict")
-        return
+        return None
     wrapped = [key for key in state if isinstance(key, str) and key.startswith("module.")]
     if wrapped:
         report.mistakes.append(
             f"the checkpoint's keys start with 'module.' ({wrapped[0]!r}): they are the DDP wrapper's names, so "
             "the weights will not load into a plain, unwrapped model"
         )
-        return
+        return None
     try:
         _exercise_model().load_state_dict(state)
     except Exception as error:  # noqa: BLE001
         report.mistakes.append(f"the checkpoint does not load into the plain model ({type(error).__name__})")
-        return
+        return None
     report.confirmed.append("the checkpoint loads into a plain, unwrapped model")
+    return state
+
+
+def trained_on(orders: dict[int, list[list[int]]]):
+    """The exercise's model (its seed, data, SGD at lr 0.1) trained here in one process as DDP trains it:
+    each step, every rank's next batch of 8 from the indices it recorded, the gradients averaged over the
+    ranks. Returns the trained state_dict."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(DATASET_SIZE, 4, generator=generator)
+    labels = (features.sum(dim=1) > 0).long()
+    torch.manual_seed(0)
+    model = _exercise_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in sorted(orders):
+        shares = orders[epoch]
+        for start in range(0, max(len(share) for share in shares), BATCH_SIZE):
+            optimizer.zero_grad()
+            grads = []
+            for share in shares:
+                batch = torch.tensor(share[start:start + BATCH_SIZE])
+                model.zero_grad()
+                torch.nn.functional.cross_entropy(model(features[batch]), labels[batch]).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for p, *per_rank in zip(model.parameters(), *grads):
+                p.grad = sum(per_rank) / len(per_rank)
+            optimizer.step()
+    return model.state_dict()
+
+
+def _check_trained_weights(state: dict, orders: dict[int, list[list[int]]], report: ExerciseReport) -> None:
+    import torch
+
+    expected = trained_on(orders)
+    if all(torch.allclose(state[name].float(), value, atol=1e-5, rtol=1e-4) for name, value in expected.items()):
+        report.confirmed.append(
+            f"the checkpoint holds the weights the exercise's model reaches on the batches your ranks recorded "
+            f"({len(orders)} epochs, gradients averaged over the ranks; computed here in one process)")
+    else:
+        report.mistakes.append(
+            "the checkpoint's weights are not those the exercise's model, data and optimizer reach on the batches "
+            "your ranks recorded (computed here in one process): the file holds another model, or the ranks "
+            "trained on other batches than they recorded")

@@ -4,9 +4,12 @@ The script trains a small MLP with DDP for STEPS steps of SGD, each rank on its 
 batch. The learner picks a communication hook. The checker computes the intended training itself, in
 one process, from the exercise's model, data and seeds (`exercise_reference`): one step is the gradient
 of the mean loss over every rank's share, which is what DDP's average computes. It judges the run on:
-- what crossed between the ranks, as torch's flight recorder saw it (`RankResult.collectives`): an
-  all-reduce in every step, and on average at most half the bytes per step of plain DDP's float32
-  all-reduces, and at least a quarter (a gradient cannot be averaged in less: float16 sends a half);
+- what crossed between the ranks, as torch's flight recorder saw it (`RankResult.collectives`) and the
+  launcher saw the point-to-point sends (`RankResult.point_to_point`): an all-reduce in every step, and
+  on average at most half the bytes per step of plain DDP's float32 all-reduces, and at least a quarter
+  (a gradient cannot be averaged in less: float16 sends a half). Every collective after DDP's wrap counts,
+  not only all-reduces: a hook that all-reduces half the bytes for show and all-gathers the float32
+  gradients is not sending half;
 - the ranks ending with bitwise equal weights;
 - those weights being the reference's to within WEIGHT_TOLERANCE of how far training moved them
   (float16's rounding stays well inside: about 0.2 % here; PowerSGD's low-rank approximation changes
@@ -91,15 +94,26 @@ def exercise_reference(world_size: int) -> list:
 
 def all_reduce_bytes(collectives: list[dict]) -> list[int]:
     """The bytes of each all-reduce a rank called, in order, from its flight recorder's entries."""
+    return [_tensor_bytes(entry["shapes"], entry["dtypes"]) for entry in collectives
+            if entry["op"] in ("allreduce", "all_reduce", "allreduce_coalesced")]
+
+
+def _tensor_bytes(shapes, dtypes) -> int:
     import torch
 
-    sizes = []
+    return sum(math.prod(shape) * getattr(torch, torch_dtype_name(dtype)).itemsize for shape, dtype in zip(shapes, dtypes))
+
+
+def exchanged_bytes(collectives: list[dict], sends: list[dict] = ()) -> list[int]:
+    """The bytes of everything a rank put into a collective from its first all-reduce on (before it: DDP's
+    wrap, checking shapes and broadcasting rank 0's weights, once), barriers aside, then of its
+    point-to-point sends."""
+    sizes, started = [], False
     for entry in collectives:
-        if entry["op"] not in ("allreduce", "all_reduce", "allreduce_coalesced"):
-            continue
-        sizes.append(sum(math.prod(shape) * getattr(torch, torch_dtype_name(dtype)).itemsize
-                         for shape, dtype in zip(entry["shapes"], entry["dtypes"])))
-    return sizes
+        started = started or entry["op"] in ("allreduce", "all_reduce", "allreduce_coalesced")
+        if started and "barrier" not in entry["op"]:
+            sizes.append(_tensor_bytes(entry["shapes"], entry["dtypes"]))
+    return sizes + [_tensor_bytes([m["shape"]], [m["dtype"]]) for m in sends if m["op"].endswith("send")]
 
 
 def check_compression_exercise(run: RunResult) -> ExerciseReport:
@@ -126,7 +140,9 @@ def _judge_bytes(run: RunResult, report: ExerciseReport) -> None:
     # Tiny all-reduces (a loss averaged for the log) are not gradients.
     gradients = [[size for size in sizes if size > TINY_BYTES] for sizes in sent]
     counts = {len(sizes) for sizes in gradients}
-    total = max(sum(sizes) for sizes in gradients)
+    # The bytes: every collective and message, not only the all-reduces counted above.
+    total = max(sum(size for size in exchanged_bytes(r.collectives, r.point_to_point) if size > TINY_BYTES)
+                for r in run.ranks)
     per_step = total / STEPS
     if min(counts) < STEPS:
         report.mistakes.append(f"the ranks all-reduced {min(counts)} times in {STEPS} steps (seen by the flight recorder): "
@@ -144,7 +160,7 @@ def _judge_bytes(run: RunResult, report: ExerciseReport) -> None:
                                "which only approximates the average; float16 sends exactly half")
     else:
         report.confirmed.append(f"each step sent {per_step:,.0f} bytes, {per_step / full:.0%} of plain DDP's {full:,} "
-                                "(counted from every all-reduce the ranks called)")
+                                "(counted from every collective and message the ranks sent)")
 
 
 def _judge_weights(run: RunResult, report: ExerciseReport) -> None:

@@ -6,11 +6,17 @@ activation went from stage 0 to stage 1, its gradient came back) instead of trus
 records about itself. Each call is logged with its peer, shape and dtype; a small tensor's values are
 kept too (a sent tensor's at the call, a received one's once `recv` returns; `irecv` completes later,
 so only its shape is known). Collectives are not logged here (`ddp_helpers.comm` counts those).
+
+A small sent tensor is also marked `grad_of_received` when it is the gradient of a tensor this rank
+received (its `.grad`, or what `torch.autograd.grad` returned for it): the pipeline checker's evidence
+that stage 1 computed from what it received, rather than recomputing stage 0 and sending for show.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
+import weakref
 
 MAX_CALLS = 1000  # a long pipeline run keeps its first calls only
 MAX_VALUES = 4096  # elements: larger tensors are logged without their values
@@ -21,6 +27,8 @@ calls: list[dict] = []
 waiting: dict | None = None
 count = 0
 _depth = 0
+_received: list[weakref.ref] = []  # the tensors the script received into (the last MAX_CALLS)
+_gradients_of_received: list[weakref.ref] = []  # what torch.autograd.grad returned for a received tensor
 
 
 def _entry(op: str, tensor, peer, with_values: bool) -> dict:
@@ -28,6 +36,25 @@ def _entry(op: str, tensor, peer, with_values: bool) -> dict:
     if with_values and tensor.numel() <= MAX_VALUES:
         entry["values"] = tensor.detach().cpu().double().flatten().tolist()
     return entry
+
+
+def _is_received(tensor) -> bool:
+    return any(ref() is tensor for ref in _received)
+
+
+def _gradient_of_received(tensor) -> bool:
+    """Whether `tensor` (small: compared by value too, so a copy counts) is the gradient of a received tensor."""
+    import torch
+
+    def same(gradient) -> bool:
+        return gradient is tensor or (gradient.shape == tensor.shape and gradient.dtype == tensor.dtype
+                                      and torch.equal(gradient.detach(), tensor.detach()))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # .grad of a non-leaf tensor warns
+        gradients = [ref().grad for ref in _received if ref() is not None and ref().grad is not None]
+    gradients += [ref() for ref in _gradients_of_received if ref() is not None]
+    return any(same(g) for g in gradients)
 
 
 def _peer(args, kwargs, name: str):
@@ -44,6 +71,10 @@ def _logged(op: str, function, values_after: bool):
         peer = _peer((tensor, *args), kwargs, "dst" if "send" in op else "src")
         if len(calls) < MAX_CALLS and not values_after:
             calls.append(_entry(op, tensor, peer, with_values=op.endswith("send")))
+            if op.endswith("send") and tensor.numel() <= MAX_VALUES and (_received or _gradients_of_received):
+                calls[-1]["grad_of_received"] = _gradient_of_received(tensor)
+        if op.endswith("recv") and len(_received) < MAX_CALLS:
+            _received.append(weakref.ref(tensor))
         _depth += 1
         count += 1
         if op in ("send", "recv"):
@@ -59,6 +90,20 @@ def _logged(op: str, function, values_after: bool):
 
     logged.__ddp_helpers_logged__ = True
     return logged
+
+
+def _observing_grad(grad):
+    @functools.wraps(grad)
+    def observed(outputs, inputs, *args, **kwargs):
+        results = grad(outputs, inputs, *args, **kwargs)
+        if _received:
+            for given, result in zip(inputs if isinstance(inputs, (list, tuple)) else [inputs], results):
+                if result is not None and _is_received(given) and len(_gradients_of_received) < MAX_CALLS:
+                    _gradients_of_received.append(weakref.ref(result))
+        return results
+
+    observed.__ddp_helpers_logged__ = True
+    return observed
 
 
 def observe(c10d_module) -> None:
@@ -77,6 +122,9 @@ def observe(c10d_module) -> None:
     if package is not None:
         for op, function in wrapped.items():
             setattr(package, op, function)
+    autograd = sys.modules.get("torch.autograd")
+    if autograd is not None and not getattr(autograd.grad, "__ddp_helpers_logged__", False):
+        autograd.grad = _observing_grad(autograd.grad)
 
 
 def summary() -> list[dict]:

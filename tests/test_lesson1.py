@@ -36,13 +36,18 @@ def test_the_solution_passes(write_script, sources):
 
 def test_a_non_blocking_fix_passes_too(write_script, sources):
     # irecv posted before the send: as right as reordering (the launcher sees an irecv without its values).
+    # And stage 1 taking its gradient with torch.autograd.grad instead of .grad: as right.
     nonblocking = sources[0].replace(
         "    dist.recv(grad, src=1)                    # the gradient of the activation, from stage 1\n"
         "    dist.send(activation.detach(), dst=1)     # the activation, to stage 1\n",
         "    pending = dist.irecv(grad, src=1)\n"
         "    dist.send(activation.detach(), dst=1)\n"
-        "    pending.wait()\n")
-    assert nonblocking != sources[0]
+        "    pending.wait()\n").replace(
+        "    loss.backward()\n    dist.send(activation.grad, dst=0)\n",
+        "    activation_grad, *parameter_grads = torch.autograd.grad(loss, [activation, *stage.parameters()])\n"
+        "    for p, g in zip(stage.parameters(), parameter_grads):\n        p.grad = g\n"
+        "    dist.send(activation_grad, dst=0)\n")
+    assert nonblocking.count("autograd.grad") == 1 and "irecv" in nonblocking
     run = run_on_cpu(write_script("exercise", nonblocking), stream=False)
     assert run.ok, failure_report(run)
     report = check_pipeline_exercise(run)
@@ -70,6 +75,23 @@ SHORTCUTS = {
             "loss.backward()\n"
             "if rank == 1:\n    record(\"loss\", loss.item())\n"),
         "the activation never crossed from rank 0 to rank 1"),
+    # Real messages with the right values, for show: every rank computes the whole model itself, rank 1 sends
+    # back the gradient of its own activation, and what each rank received is thrown away.
+    "messages sent for show, every rank computes the whole model": (
+        lambda solution: solution.replace(
+            solution[solution.index("if rank == 0:\n    activation"):solution.index('record("grads"')],
+            "activation = full[:4](inputs.to(device))\n"
+            "activation.retain_grad()\n"
+            "loss = torch.nn.functional.cross_entropy(full[4:](activation), targets.to(device))\n"
+            "loss.backward()\n"
+            "if rank == 0:\n"
+            "    dist.send(activation.detach(), dst=1)\n"
+            "    dist.recv(torch.empty_like(activation), src=1)\n"
+            "else:\n"
+            "    dist.recv(torch.empty(8, 32, device=device), src=0)\n"
+            "    dist.send(activation.grad, dst=0)\n"
+            "    record(\"loss\", loss.item())\n"),
+        "not the gradient of the tensor it received from rank 0"),
     # The activation goes over, but rank 1 works on its own copy, computed from the inputs.
     "the input sent instead of the activation": (
         lambda solution: solution.replace("dist.send(activation.detach(), dst=1)",

@@ -166,8 +166,13 @@ def _judge_what_crossed(run: RunResult, reference: dict, report: ExerciseReport)
           or not _carried(received_back, reference["activation_grad"], unknown_passes=True)):
         report.mistakes.append("what came back from rank 1 to rank 0 is not the gradient of the loss with respect to "
                                "the activation")
+    elif not any(m.get("grad_of_received") for m in sent_back):
+        # The right values, but not computed from what arrived: rank 1 ran stage 0 itself and sent for show.
+        report.mistakes.append("rank 1 sent back the right values, but not the gradient of the tensor it received "
+                               "from rank 0: stage 1 did not compute from what stage 0 sent")
     else:
-        report.confirmed.append("the activation's gradient came back from rank 1 to rank 0")
+        report.confirmed.append("the activation's gradient, computed by stage 1 from the activation it received, "
+                                "came back from rank 1 to rank 0")
 
 
 def _judge_what_it_computed(run: RunResult, reference: dict, report: ExerciseReport) -> None:

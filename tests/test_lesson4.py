@@ -37,6 +37,17 @@ WRONG_FIXES = {
                                             "every rank drew the same dropout masks"),
     "no resume at all": (GIVEN.replace('if os.path.exists("snapshot.pt"):', "if False:"),
                          "step(s) [0, 1, 2, 3, 4, 5] ran twice"),
+    # No resume at all, and rank 0 hides the lines it printed before the kill: every step printed once, and
+    # the weights are those of a run without a kill (the second attempt is one), but steps 0-5 ran twice.
+    "no resume, the repeated lines hidden": (GIVEN.replace('if os.path.exists("snapshot.pt"):', "if False:").replace(
+        "\nstep = 0\nfor epoch", '\nprinted = int(open("printed.txt").read()) if os.path.exists("printed.txt") else -1\n'
+        'step = 0\nfor epoch').replace(
+        '        print(f"step {step} done")',
+        '        if rank != 0 or step > printed:\n'
+        '            print(f"step {step} done")\n'
+        '            if rank == 0:\n'
+        '                open("printed.txt", "w").write(str(step))\n'
+        '        pass'), "the ranks printed 18 steps but trained 24"),
     "the progress line removed": (SOLUTION.replace('print(f"step {step} done")', "pass"), "no rank was killed"),
     # Shortcuts that make the learner's own kill and no-kill runs agree by changing the training itself.
     "reseeding every step": (GIVEN.replace('first_step = snapshot["step"]', 'first_step = snapshot["step"] + 1').replace(

@@ -5,7 +5,9 @@ The exercise is a training script that snapshots after every step and resumes fr
 torchrun restarts it; it is run with rank 1 killed after step 5 and one restart allowed. As given, it
 resumes at the step it had already done, and it does not bring back each rank's random state (its
 dropout masks). The checker trusts nothing the script says about itself: it reads the steps each
-attempt printed (as the launcher saw them), runs its own copy of the exercise as given (the same model,
+attempt printed (as the launcher saw them) and holds the attempt after the restart to the gradient
+all-reduces torch's flight recorder saw it make (one step's worth per printed step: a restart that trains
+from step 0 again and hides the lines it printed before does not pass), runs its own copy of the exercise as given (the same model,
 data and seeds: `lesson4_reference.py`) without a kill at the same world size and backend, and compares
 the final snapshots bitwise: the weights and the optimizer's momentum. So a "fix" that changes the
 model or its randomness (reseeding every step, dropping dropout, one random stream for every rank)
@@ -42,18 +44,26 @@ def check_resume_exercise(run: RunResult) -> ExerciseReport:
                                "'step 5 done' (keep that print line)")
         return report
     mine = _final_snapshot(run)  # read before anything else runs
-    expected, theirs = _reference(run)
-    _judge_steps(run, expected, report)
+    expected, theirs, shapes, all_reduces = _reference(run)
+    _judge_steps(run, expected, report, shapes, all_reduces / max(len(expected), 1))
     _judge_snapshots(mine, theirs, report)
     return report
 
 
-# (ranks, backend) -> (the steps the reference printed, its final snapshot): the reference is the exercise
-# as given, bitwise the same every time, so a kernel runs it once per world size and backend.
-_REFERENCES: dict[tuple[int, str], tuple[list[int], dict]] = {}
+# (ranks, backend) -> (the steps the reference printed, its final snapshot, its gradient all-reduces' shapes and
+# how many it made): the reference is the exercise as given, bitwise the same every time, so a kernel runs it
+# once per world size and backend.
+_REFERENCES: dict[tuple[int, str], tuple[list[int], dict, set[str], int]] = {}
+_ALL_REDUCES = ("allreduce", "all_reduce", "allreduce_coalesced")
 
 
-def _reference(run: RunResult) -> tuple[list[int], dict]:
+def _all_reduces(collectives, shapes: set[str] | None = None) -> list[str]:
+    """The shapes of the all-reduces among `collectives` (those of `shapes` only, when given), in order."""
+    found = [str(entry["shapes"]) for entry in collectives if entry["op"] in _ALL_REDUCES]
+    return found if shapes is None else [shape for shape in found if shape in shapes]
+
+
+def _reference(run: RunResult) -> tuple[list[int], dict, set[str], int]:
     """The checker's own run of the exercise as given, without a kill, at `run`'s world size and backend."""
     from .. import run_script
 
@@ -66,11 +76,16 @@ def _reference(run: RunResult) -> tuple[list[int], dict]:
         snapshot = _final_snapshot(reference)
         if snapshot is None:
             raise RuntimeError(f"the exercise's reference run wrote no {SNAPSHOT_NAME} in {reference.run_dir}")
-        _REFERENCES[key] = (steps_done(reference.ranks[0].stdout), snapshot)
+        gradient_all_reduces = _all_reduces(reference.ranks[0].collectives)
+        _REFERENCES[key] = (steps_done(reference.ranks[0].stdout), snapshot, set(gradient_all_reduces),
+                            len(gradient_all_reduces))
     return _REFERENCES[key]
 
 
-def _judge_steps(run: RunResult, expected: list[int], report: ExerciseReport) -> None:
+def _judge_steps(run: RunResult, expected: list[int], report: ExerciseReport, shapes: set[str],
+                 all_reduces_per_step: float) -> None:
+    """Each step printed once, and the last attempt (the one whose collectives the flight recorder kept)
+    made one step's gradient all-reduces per step it printed."""
     attempts = [steps_done(text) for text in run.ranks[0].attempts]
     done = [step for steps in attempts for step in steps]
     repeated = sorted({step for step in done if done.count(step) > 1})
@@ -79,7 +94,12 @@ def _judge_steps(run: RunResult, expected: list[int], report: ExerciseReport) ->
         report.mistakes.append(f"step(s) {repeated} ran twice: before the kill and again after the restart")
     if lost:
         report.mistakes.append(f"step(s) {lost} never ran")
-    if not repeated and not lost and done == expected:
+    trained = len(_all_reduces(run.ranks[0].collectives, shapes)) / all_reduces_per_step if shapes else None
+    if not repeated and not lost and done == expected and trained is not None and round(trained) != len(attempts[-1]):
+        report.mistakes.append(
+            f"after the restart the ranks printed {len(attempts[-1])} steps but trained {round(trained)} (counted from "
+            "DDP's gradient all-reduces, seen by torch's flight recorder): the restart computed steps it did not print")
+    elif not repeated and not lost and done == expected:
         report.confirmed.append(f"every one of the {len(expected)} steps ran exactly once: steps "
                                 f"{attempts[0][0]}-{attempts[0][-1]} before the kill, {attempts[-1][0]}-"
                                 f"{attempts[-1][-1]} after the restart")

@@ -54,6 +54,18 @@ dist.destroy_process_group()
                            "model_state, optimizer_state = get_state_dict(model, optimizer, "
                            "options=StateDictOptions(full_state_dict=True, cpu_offload=True))"),
         "a rank held the whole tensor when it saved"),
+    # Every rank holds the whole model and Adam's state, then cuts them up again: the files look sharded.
+    "every rank gathers the whole state, then re-shards it for dcp.save": (
+        SOURCES[0].replace(GIVEN_SAVE, """from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.tensor import Shard, distribute_tensor
+full_model, full_optimizer = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+reshard = lambda t: distribute_tensor(t.detach(), mesh, [Shard(0)]) if torch.is_tensor(t) and t.dim() > 0 else t
+full_model = {k: reshard(v) for k, v in full_model.items()}
+full_optimizer["state"] = {k: {n: reshard(v) for n, v in s.items()} for k, s in full_optimizer["state"].items()}
+dcp.save({"model": full_model, "optimizer": full_optimizer}, checkpoint_id="checkpoint")
+dist.destroy_process_group()
+"""),
+        "whole tensors were gathered on the way to the checkpoint"),
     "the model without the optimizer": (
         SOURCES[1].replace('{"model": model_state, "optimizer": optimizer_state}', '{"model": model_state}'),
         "the checkpoint has no optimizer state"),

@@ -114,10 +114,35 @@ def check_checkpoint_exercise(run: RunResult) -> ExerciseReport:
     layouts = _read_layouts(folders, report)
     if layouts is None:
         return report
-    if not _judge_sharding(layouts, len(run.ranks), report):
+    if not _judge_sharding(layouts, len(run.ranks), report) or not _judge_nothing_gathered_whole(run, report):
         return report
     _judge_resumed(run, layouts, report)
     return report
+
+
+_FLOAT_DTYPES = {"float", "float32", "half", "float16", "bfloat16", "double", "float64"}
+
+
+def _judge_nothing_gathered_whole(run: RunResult, report: ExerciseReport) -> bool:
+    """No rank gathered (or scattered) whole parameters or optimizer states on the way to sharded files.
+    FSDP2 all-gathers and reduce-scatters flat, one-dimensional buffers; `full_tensor()` (a full state dict)
+    and `distribute_tensor` move tensors in their own shapes: a float gather or scatter of a tensor with two
+    or more dimensions, in torch's flight recorder, is a rank holding a whole tensor."""
+    from ..hang import torch_dtype_name
+
+    for r in run.ranks:
+        for entry in r.collectives:
+            if "gather" not in entry["op"] and "scatter" not in entry["op"]:
+                continue
+            shaped = [shape for shape, dtype in zip(entry["shapes"], entry["dtypes"])
+                      if len(shape) >= 2 and torch_dtype_name(dtype) in _FLOAT_DTYPES]
+            if shaped:
+                report.mistakes.append(
+                    f"rank {r.rank} ran {entry['op']} of a {list(shaped[0])} float tensor (seen by torch's flight "
+                    "recorder; FSDP itself only moves flat buffers): whole tensors were gathered on the way to the "
+                    "checkpoint. Under FSDP no rank should ever hold the whole model, not even to cut it up again")
+                return False
+    return True
 
 
 def _read_layouts(folders: list[Path], report: ExerciseReport) -> dict[Path, object] | None:

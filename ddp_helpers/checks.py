@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from .notebook_text import wrapped
+
 
 class LessonCheckFailed(AssertionError):
     """A lesson's claim did not hold on the learner's own run. Shown as its message alone."""
 
     def _render_traceback_(self) -> list[str]:
-        return [f"\x1b[1;31mCheck failed:\x1b[0m {self}"]
+        return [f"\x1b[1;31mCheck failed:\x1b[0m {wrapped(str(self), len('Check failed: '))}"]
 
 
 def check(condition: bool, confirmed: str, went_wrong: str) -> None:
@@ -18,4 +20,4 @@ def check(condition: bool, confirmed: str, went_wrong: str) -> None:
     """
     if not condition:
         raise LessonCheckFailed(went_wrong)
-    print(f"\u2713 {confirmed}")
+    print("\u2713 " + wrapped(confirmed, 2))

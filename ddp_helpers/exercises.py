@@ -3,6 +3,7 @@ Each lesson's checker lives with the lesson (`ddp_helpers/lessons/`)."""
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 
 
@@ -30,3 +31,9 @@ class ExerciseReport:
 
     def _repr_pretty_(self, printer, cycle) -> None:
         printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        # In JupyterLab: one paragraph per finding, wrapped at word boundaries (a text output is broken
+        # wherever the panel ends, in the middle of words); text/plain stays for everything else.
+        lines = "".join(f"<div style='margin: 0.2em 0'>{html.escape(line)}</div>" for line in str(self).splitlines())
+        return f"<div class='ddp-lessons-exercise-report'>{lines}</div>"

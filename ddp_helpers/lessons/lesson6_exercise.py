@@ -185,5 +185,5 @@ def _judge_weights(run: RunResult, report: ExerciseReport) -> None:
             f"(allowed: {WEIGHT_TOLERANCE:.0%}): the hook changed what the model learns, not only how it is sent. "
             "Low-rank compression (PowerSGD) approximates each gradient; rounding to 16 bits only rounds it")
     else:
-        report.confirmed.append(f"the weights are the uncompressed training's to {off / moved:.2%} of the distance "
-                                "training moved them")
+        report.confirmed.append(f"the weights are the uncompressed training's: they differ from them by "
+                                f"{off / moved:.2%} of how far training moved them (allowed: {WEIGHT_TOLERANCE:.0%})")

@@ -108,7 +108,7 @@ def torch_dtype_name(flight_recorder_dtype: str) -> str:
 
 
 def _shape(collective: dict) -> str:
-    shapes = ", ".join(str(list(s)) for s in collective["shapes"])
+    shapes = ", ".join(str(list(s)) + (" (a scalar)" if not list(s) else "") for s in collective["shapes"])
     dtypes = sorted({torch_dtype_name(d) for d in collective["dtypes"]})
     return f"{shapes} {'/'.join(dtypes)}".strip()
 

@@ -30,29 +30,34 @@ def plot_partitions(
         titles: one title per panel (e.g. "epoch 0").
     """
     panels = len(partitions)
-    fig, axes = plt.subplots(1, panels, figsize=(max(4.0, 3.2 * panels), 3.2), squeeze=False, sharey=True)
+    repeated = False
+    fig, axes = plt.subplots(1, panels, figsize=(max(6.0, 3.2 * panels), 3.2), squeeze=False, sharey=True)
     for ax, per_rank, title in zip(axes[0], partitions, titles):
         world = len(per_rank)
         for rank, indices in enumerate(per_rank):
             for position, index in enumerate(indices):
                 ax.add_patch(plt.Rectangle((index, rank - 0.4), 0.9, 0.8, color=rank_color(rank), alpha=0.85))
-                ax.text(index + 0.45, rank, str(position), ha="center", va="center", fontsize=7, color="white")
+                ax.text(index + 0.45, rank, str(position), ha="center", va="center", fontsize=8, color="white",
+                        fontweight="bold")
         counts = np.bincount([i for indices in per_rank for i in indices], minlength=dataset_size)
         for index in np.flatnonzero(counts > 1):
+            repeated = True
             ax.annotate("\u00d7%d" % counts[index], (index + 0.45, world - 0.45), ha="center", fontsize=7, color="black")
         ax.set_xlim(0, dataset_size)
         ax.set_ylim(world - 0.4 + 0.5, -0.9)
         ax.set_yticks(range(world), [f"rank {r}" for r in range(world)])
-        ax.set_xticks(range(0, dataset_size, max(1, dataset_size // 10)))
+        shown = range(0, dataset_size, 1 if dataset_size <= 16 else max(1, dataset_size // 10))
+        ax.set_xticks([index + 0.45 for index in shown], [str(index) for index in shown], fontsize=8)  # under each cell
         ax.set_title(title, fontsize=10)
     world = max(len(p) for p in partitions)
     fig.suptitle(suptitle, x=0.02, ha="left")
     fig.legend(
         handles=[Patch(color=rank_color(r), label=f"rank {r}") for r in range(world)],
-        loc="upper left", bbox_to_anchor=(0.01, 0.92), ncol=min(world, 8), fontsize=8, frameon=False,
+        loc="upper left", bbox_to_anchor=(0.01, 0.93), ncol=min(world, 8), fontsize=8, frameon=False,
     )
-    fig.supxlabel("dataset index (the number in a cell: its position in that rank's order; \u00d7n: seen n times)", fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 0.84))
+    fig.supxlabel("dataset index (the number in a cell: its position in that rank's order"
+                  + ("; \u00d7n: seen n times)" if repeated else ")"), fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.87))
     return fig
 
 

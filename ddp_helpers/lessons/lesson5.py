@@ -124,7 +124,7 @@ def check_hang_exercise(run: RunResult) -> ExerciseReport:
     if run.timed_out:
         cause = run.hang.cause if run.hang else "see where each rank was, above"
         report.mistakes.append(
-            f"the run still hangs. {cause} Which step did each rank reach last (their 'step N done' lines), and why "
+            f"the run hangs. {cause} Which step did each rank reach last (their 'step N done' lines), and why "
             "would one rank run fewer all-reduces than another? A longer timeout or an added barrier does not "
             "change that")
         return report

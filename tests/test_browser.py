@@ -367,9 +367,23 @@ def test_a_failed_check_is_caught_and_named(browser, lab):
         problems = cells_that_failed_or_never_ran(saved_notebook(page, lab.root / "notebooks" / "broken.ipynb"))
     finally:
         page.close()
-    assert len(problems) == 2, problems
-    assert problems[0].startswith("cell 1 (") and "LessonCheckFailed" in problems[0] and "broken on purpose" in problems[0]
-    assert problems[1].startswith("cell 2 (") and problems[1].endswith("never ran")
+    assert problems, "the failed check was not reported"
+    failure, *after = problems
+    assert failure.startswith("cell 1 (") and "LessonCheckFailed" in failure and "broken on purpose" in failure, problems
+    # Run All sends every cell's request at once and the kernel drops those queued behind the error; a
+    # request that reaches ipykernel after the drop still runs (seen once under load), so cell 2 may
+    # have run. That the helper names a cell that never ran is tested without a browser, below.
+    assert len(after) <= 1 and all(p.startswith("cell 2 (") and p.endswith("never ran") for p in after), problems
+
+
+def test_a_cell_that_never_ran_is_named():
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(1)", execution_count=1),
+                                               nbformat.v4.new_markdown_cell("text"),
+                                               nbformat.v4.new_code_cell("print(2)")])
+    notebook.cells[0].id, notebook.cells[2].id = "first", "second"
+    assert cells_that_failed_or_never_ran(notebook) == ["cell 2 (second) never ran"]
 
 
 def test_jupyterlab_shuts_down_leaving_no_process(lab, browser):

@@ -97,7 +97,7 @@ def _print_user_traceback(error: BaseException, script: str) -> str:
 
 def _warn_if_process_group_left_open(rank: int) -> None:
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if dist is not None and dist.is_available() and dist.is_initialized() and not sys.stderr.closed:
         print(
             f"[ddp_helpers] rank {rank}: the process group was still initialised at exit; "
             "call dist.destroy_process_group() at the end of the script.",
@@ -230,6 +230,18 @@ def _run_as_main(script: str) -> None:
     exec(code, module.__dict__)
 
 
+def _flush_standard_streams(exit_code: int) -> int:
+    """Flush stdout and stderr as the interpreter does at exit: a stream the script closed is skipped,
+    and a flush that fails makes a clean exit 120 (CPython's Py_FinalizeEx)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None and not stream.closed:
+                stream.flush()
+        except (OSError, ValueError):
+            exit_code = exit_code or 120
+    return exit_code
+
+
 def _finish_like_the_interpreter() -> None:
     """What interpreter shutdown does for a script, short of its final teardown."""
     threading._shutdown()  # join non-daemon threads, as the interpreter does first
@@ -341,9 +353,7 @@ def main() -> None:
             folder.write_exit(rank, exit_code)
         if exit_code == 0:
             _warn_if_process_group_left_open(rank)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code)
+        os._exit(_flush_standard_streams(exit_code))
 
 
 if __name__ == "__main__":

@@ -316,6 +316,8 @@ def finish_later():
 
 threading.Thread(target=finish_later).start()
 atexit.register(lambda: open(f"atexit{rank}.txt", "w").write("atexit ran"))
+if rank == 0:
+    sys.stdout.close()  # the interpreter's exit skips a closed standard stream
 sys.exit(256 if rank == 0 else -1)
 """
 

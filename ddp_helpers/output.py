@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .result import RunResult, error_line
+from .result import RunResult, error_line, relation_to_root_cause
 from .run_folder import ATTEMPT_MARK, RunFolder
 from .stacks import fold_stack
 
@@ -103,14 +103,13 @@ class RankOutputStreamer:
 
     def show_failures(self, root: int | None, one_line: dict[int, str]) -> None:
         """Print the held tracebacks: `root`'s whole (every one whole when no rank is the root cause), each
-        other rank's as its `one_line[rank]`, a consequence of the root's failure."""
+        other rank's as its `one_line[rank]` (its error and how it relates to the root's)."""
         held, self._held = self._held, {}
         for rank, traceback in sorted(held.items(), key=lambda item: item[0] != root):  # the root cause first
             if root is None or rank == root or rank not in one_line:
                 self._write(rank, "stderr", traceback.lines)
             else:
-                self._write(rank, "stderr", [f"{one_line[rank]}  (a consequence of rank {root}'s failure; its "
-                                             f"traceback is in run.ranks[{rank}].stderr)".encode()])
+                self._write(rank, "stderr", [one_line[rank].encode()])
 
     def _emit(self, rank: int, kind: str, lines: list[bytes]) -> None:
         if kind == "stdout" and lines and rank in self._held:
@@ -169,4 +168,6 @@ def show_failures_once(streamer: RankOutputStreamer, run: RunResult) -> None:
         print(run.hang.text(), file=sys.stderr, flush=True)
     streamer.show_stacks()
     root = run.first_failure
-    streamer.show_failures(root.rank if root else None, {r.rank: error_line(r) for r in run.ranks if r.error})
+    one_line = {r.rank: f"{error_line(r)}  ({relation_to_root_cause(r, root)}; its traceback is in "
+                        f"run.ranks[{r.rank}].stderr)" for r in run.ranks if r.error and root}
+    streamer.show_failures(root.rank if root else None, one_line)

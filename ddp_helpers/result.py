@@ -256,7 +256,7 @@ class RunResult:
         for r in self.ranks:
             consequence = ""
             if root is not None and r is not root and r.error is not None:
-                consequence = f": {error_line(r)}, a consequence of rank {root.rank}'s failure"
+                consequence = f": {error_line(r)}, {relation_to_root_cause(r, root)}"
             lines.append(f"  rank {r.rank}: {'never started' if queued else r.status}{consequence}")
             for name, why in r.unreadable_facts.items():
                 lines.append(f"    recorded {name!r} could not be read back: {why}")
@@ -277,9 +277,24 @@ def error_line(rank: RankResult) -> str:
     return line if len(line) <= 200 else line[:197] + "..."
 
 
+def relation_to_root_cause(rank: RankResult, root: RankResult) -> str:
+    """How another rank's failure relates to the first: the same exception from the same line of the script
+    (every rank ran into it on its own), or a consequence (e.g. a collective whose peer had died)."""
+    if root.error is not None and (rank.error.type, rank.error.message, _raised_at(rank)) == (
+            root.error.type, root.error.message, _raised_at(root)):
+        return f"the same error as rank {root.rank}'s, raised on this rank too"
+    return f"a consequence of rank {root.rank}'s failure"
+
+
+def _raised_at(rank: RankResult) -> str | None:
+    """The innermost 'File "...", line N' of a rank's traceback."""
+    frames = re.findall(r'^\s*File "[^"]*", line \d+', rank.error.traceback, flags=re.M) if rank.error else []
+    return frames[-1].strip() if frames else None
+
+
 def _failure_reason(rank: RankResult) -> str:
     if rank.error is not None:
-        return f"{rank.error.type}: {rank.error.message}"
+        return f"{rank.error.type}: {rank.error.message}" if rank.error.message else rank.error.type
     return rank.status
 
 

@@ -69,3 +69,23 @@ def test_a_rank_stopped_by_sigterm_yields_to_the_rank_killed_at_the_same_moment(
     # A SIGTERM that came alone, from outside, is still the cause.
     alone = make_run([RankResult(0, -15, "", "", ended_at=5.0), RankResult(1, 0, "", "")])
     assert alone.first_failure.rank == 0
+
+
+def test_a_rank_that_raised_the_same_error_itself_is_not_called_a_consequence():
+    def traceback(line):
+        return f'Traceback (most recent call last):\n  File "/r/cell.py", line {line}, in <module>\n    x = rows["id"]\nKeyError: \'id\'\n'
+
+    run = make_run([
+        RankResult(0, 1, "", "", error=RankError("KeyError", "'id'", traceback(3), time=10.0)),
+        RankResult(1, 1, "", "", error=RankError("KeyError", "'id'", traceback(3), time=10.1)),
+        RankResult(2, 1, "", "", error=RankError("KeyError", "'id'", traceback(7), time=10.2)),
+        RankResult(3, 1, "", "", error=RankError("RuntimeError", "Connection closed by peer", "tb3", time=10.3)),
+        RankResult(4, 1, "", "", error=RankError("KeyboardInterrupt", "", "tb4", time=9.0)),
+    ])
+    lines = run.summary().splitlines()
+    assert lines[1] == "Rank 4 failed first, the root cause: KeyboardInterrupt"
+    shifted = make_run(run.ranks[:4])
+    summary = shifted.summary()
+    assert "rank 1: failed (exit code 1): KeyError: 'id', the same error as rank 0's, raised on this rank too" in summary
+    assert "rank 2: failed (exit code 1): KeyError: 'id', a consequence of rank 0's failure" in summary  # another line
+    assert "rank 3: failed (exit code 1): RuntimeError: Connection closed by peer, a consequence of rank 0's failure" in summary

@@ -15,6 +15,7 @@ a rank failed or that timed out fails the cell, naming the first failing rank an
 
 from __future__ import annotations
 
+import keyword
 import re
 import shlex
 import sys
@@ -112,19 +113,22 @@ class TorchrunMagics(Magics):
         if args.help:
             print(self.torchrun.parser.format_help())
             return
-        if not args.out.isidentifier():
+        if not args.out.isidentifier() or keyword.iskeyword(args.out):
             raise UsageError(f"--out must be a Python variable name, got {args.out!r}.")
         name = args.name or _default_cell_name(self.shell)
         notebook = notebook_path(self.shell.user_ns)
         try:
-            compile(cell, f"<cell {name}>", "exec")
+            # One line above the body: the %%torchrun line is line 1, as JupyterLab numbers the cell's lines
+            # and as the ranks' tracebacks do (write_cell_script's header line).
+            compile("\n" + cell, f"<cell {name}>", "exec")
             script, run_dir = cell_paths(notebook_key(notebook), name)
             # Held from the script's writing to the end of the run: another kernel running the same cell
             # of the same notebook can neither replace the script under the ranks nor mix in its results.
             folder = RunFolder.claim(run_dir)
         except SyntaxError as error:
             sys.stderr.write("".join(traceback.format_exception_only(type(error), error)))
-            raise UsageError(f"The cell has a syntax error (line {error.lineno}); nothing was launched.") from None
+            raise UsageError(f"The cell has a syntax error (line {error.lineno}); nothing was launched."
+                             + _ipython_syntax_hint(error)) from None
         except LaunchError as error:
             raise UsageError(str(error)) from None
         with folder:
@@ -182,6 +186,14 @@ def _asks_for_help(options: str) -> bool:
     except ValueError:
         return False
     return "--help" in words or "-h" in words
+
+
+def _ipython_syntax_hint(error: SyntaxError) -> str:
+    """Why `%magic` or `!command` lines fail in a %%torchrun cell, and what to do instead."""
+    if (error.text or "").lstrip()[:1] not in ("%", "!"):
+        return ""
+    return (" Line magics (%...) and shell commands (!...) are IPython's syntax: the ranks run the cell as a "
+            "plain Python script. Put them in a cell of their own, or write Python (e.g. subprocess.run([...])).")
 
 
 def _slurm_job(args):

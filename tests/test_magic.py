@@ -52,6 +52,7 @@ def test_the_line_magic_without_help_says_how_to_run_a_cell(ipython):
         NCCL_TOO_MANY,
         ("--name ../escape", r"--name must be letters"),
         ("--out 1x", r"--out must be a Python variable name"),
+        ("--out class", r"--out must be a Python variable name"),
         ("--nnodes 0", r"nnodes must be a whole number of agents from 1 to 8"),
         ("--nodes 2", r"--nodes, --partition, .* go with --slurm"),
         ("--slurm --nodes 0", r"slurm nodes must be a whole number from 1 to 64"),
@@ -78,8 +79,14 @@ def test_bad_input_is_one_clear_error_and_nothing_runs(ipython, tmp_path, line, 
 def test_a_syntax_error_is_shown_with_its_line_and_nothing_is_written(ipython, tmp_path, capsys):
     result = run_cell(ipython, "-n 2 --backend gloo --name broken", "x = 1\ny = (\n")
     assert isinstance(result.error_in_exec, UsageError)
-    assert "line 2" in str(result.error_in_exec)
-    assert "SyntaxError" in capsys.readouterr().err
+    # Numbered as JupyterLab numbers the cell's lines (and as the ranks' tracebacks are): %%torchrun is line 1.
+    assert "line 3" in str(result.error_in_exec)
+    shown = capsys.readouterr().err
+    assert "SyntaxError" in shown and 'line 3' in shown
+    assert not (tmp_path / "runs").exists()
+    ipython_syntax = run_cell(ipython, "-n 2 --backend gloo --name shell", "import torch\n!pip install numpy\n")
+    assert re.search(r"syntax error \(line 3\).*shell commands \(!\.\.\.\) are IPython's syntax.*cell of their own",
+                     str(ipython_syntax.error_in_exec)), ipython_syntax.error_in_exec
     assert not (tmp_path / "runs").exists()
 
 

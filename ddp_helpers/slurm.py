@@ -184,6 +184,9 @@ def submit(path: Path) -> str:
     done = _slurm(["sbatch", "--parsable", str(path)])
     if done.returncode != 0:
         message = done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}"
+        if not cluster_reachable():
+            message += ("\nNo Slurm controller answers from this machine (sinfo): it is not a login node of a "
+                        "cluster. Run the notebook on the cluster's login node, or drop --slurm to run here.")
         raise LaunchError(f"Slurm did not accept the job:\n{message}")
     return done.stdout.strip().split(";")[0]
 

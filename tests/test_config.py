@@ -1,5 +1,7 @@
 """Launch input: defaults from the hardware, and bad input refused before anything starts."""
 
+import os
+
 import pytest
 
 from ddp_helpers.config import Hardware, LaunchError, make_launch_config
@@ -197,3 +199,19 @@ def test_a_record_name_too_long_for_a_file_is_one_clear_error():
     with pytest.raises(ValueError, match="record name must be 1 to 200 letters"):
         record("x" * 300, 1)
     assert record("x" * 200, 1) == 1  # outside a launch: nothing stored
+
+
+def test_slurm_refused_on_a_machine_outside_any_cluster_says_so(tmp_path, monkeypatch):
+    """Slurm's commands installed but no cluster (a laptop with the Debian packages): sbatch's own DNS errors,
+    then what they mean and what to do."""
+    from ddp_helpers.slurm import submit
+
+    for command, output in (("sbatch", "sbatch: fatal: Could not establish a configuration source"),
+                            ("sinfo", "sinfo: fatal: Could not establish a configuration source")):
+        fake = tmp_path / command
+        fake.write_text(f"#!/bin/sh\necho '{output}' >&2\nexit 1\n")
+        fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with pytest.raises(LaunchError, match=r"(?s)configuration source\nNo Slurm controller answers from this machine.*"
+                                          r"drop --slurm to run here"):
+        submit(tmp_path / "job.sbatch")

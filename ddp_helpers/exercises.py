@@ -20,12 +20,13 @@ class ExerciseReport:
         return not self.mistakes
 
     def __str__(self) -> str:
-        lines = [f"\u2713 {line}" for line in self.confirmed]
-        lines += [f"\u2717 {line}" for line in self.mistakes]
+        lines = [f"\u2713 {_sentence(line)}" for line in self.confirmed]
+        lines += [f"\u2717 {_sentence(line)}" for line in self.mistakes]
+        count = len(self.mistakes)
         verdict = (
             self.verdict_when_passed
             if self.passed
-            else f"{len(self.mistakes)} mistake(s) to fix: edit the exercise cell and run it again."
+            else f"{count} mistake{'s' if count > 1 else ''} to fix: edit the exercise cell and run it again."
         )
         return "\n".join([*lines, verdict])
 
@@ -37,3 +38,10 @@ class ExerciseReport:
         # wherever the panel ends, in the middle of words); text/plain stays for everything else.
         lines = "".join(f"<div style='margin: 0.2em 0'>{html.escape(line)}</div>" for line in str(self).splitlines())
         return f"<div class='ddp-lessons-exercise-report'>{lines}</div>"
+
+
+def _sentence(finding: str) -> str:
+    """A finding ends as a sentence does, whether its checker wrote the final full stop or not."""
+    finding = finding.rstrip()
+    return finding if finding.endswith((".", "?", "!")) else finding + "."
+

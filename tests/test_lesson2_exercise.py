@@ -27,7 +27,7 @@ def test_the_given_script_has_its_three_mistakes_named(write_script, sources):
     assert "epochs 0 and 1, 0 and 2, 1 and 2 went through the data in the same order" in text
     assert "ranks [0, 1] each wrote checkpoint.pt" in text
     assert "keys start with 'module.'" in text
-    assert "3 mistake(s) to fix" in text
+    assert "3 mistakes to fix" in text
     assert "set_epoch(epoch)" not in text and "model.module.state_dict()" not in text, "hints must not give the fix"
 
 
@@ -65,7 +65,7 @@ def test_set_epoch_too_late_and_an_unguarded_save_are_caught(write_script, sourc
     text = str(check_training_exercise(run))
     assert "epochs 0 and 1 went through the data in the same order" in text
     assert "ranks [0, 1] each wrote checkpoint.pt" in text
-    assert "2 mistake(s) to fix" in text, text
+    assert "2 mistakes to fix" in text, text
 
 
 def test_per_rank_epochs_and_a_torn_checkpoint_from_the_wrong_rank_are_caught(write_script, sources):

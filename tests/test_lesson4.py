@@ -76,7 +76,7 @@ def test_the_given_script_has_both_mistakes_named_without_the_fix(write_script):
     assert run.ok and run.restarts == 1, failure_report(run)
     text = str(check_resume_exercise(run))
     assert "step(s) [5] ran twice" in text and "ended with other weights than the exercise's training without a kill" in text, text
-    assert "2 mistake(s) to fix" in text
+    assert "2 mistakes to fix" in text
     assert "rng" not in text.lower() and "+ 1" not in text, "hints must not give the fix"
 
 

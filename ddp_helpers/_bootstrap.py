@@ -35,7 +35,7 @@ import time
 import traceback
 import types
 
-from . import _hang_probe, _point_to_point
+from . import _all_reduce_log, _hang_probe, _point_to_point
 from .processes import die_with_parent
 from .run_folder import AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, RankErrorRecord, RankIdentity, RunFolder
 
@@ -54,6 +54,11 @@ def _redirect_output(folder: RunFolder, rank: int) -> None:
         os.close(target)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+
+
+def _observe_collectives(c10d_module) -> None:
+    _point_to_point.observe(c10d_module)
+    _all_reduce_log.observe(c10d_module)
 
 
 def _collectives_called(rank: int) -> list[dict]:
@@ -138,7 +143,8 @@ class _PatchOnImport:
     warm process imported them already:
     - torch.save(obj, "path") writes through C++, which raises no audit event: it is wrapped so that
       saving to a path raises the "open" event a Python write would;
-    - torch.distributed's send/recv/isend/irecv are logged (`_point_to_point`);
+    - torch.distributed's send/recv/isend/irecv are logged (`_point_to_point`), and what the script hands to
+      all_reduce (`_all_reduce_log`);
     - on this machine's runs, rank 0's job store listens on loopback only."""
 
     def __init__(self, patches: dict):
@@ -323,7 +329,7 @@ def main() -> None:
     observer = WriteObserver(folder) if folder is not None else None
     if observer is not None:
         sys.addaudithook(observer)
-        patches = {"torch.serialization": _wrap_torch_save, "torch.distributed.distributed_c10d": _point_to_point.observe}
+        patches = {"torch.serialization": _wrap_torch_save, "torch.distributed.distributed_c10d": _observe_collectives}
         if os.environ.get("GLOO_SOCKET_IFNAME") == "lo":  # a run on this machine (not a cluster's)
             patches["torch.distributed.rendezvous"] = _keep_rank0_store_on_loopback
         _PatchOnImport.install(patches)
@@ -348,6 +354,7 @@ def main() -> None:
     finally:
         if observer is not None:
             folder.write_evidence(rank, files_written=observer.paths, point_to_point=_point_to_point.summary(),
+                                  all_reduced=_all_reduce_log.summary(),
                                   collectives=_collectives_called(rank))
             # How it ended, for launches without a supervisor to ask the agent (Slurm jobs).
             folder.write_exit(rank, exit_code)

@@ -141,6 +141,7 @@ def _rank_result(folder: RunFolder, rank: int, identity: RankIdentity, exit_code
         unreadable_facts=unreadable,
         files_written=evidence.files_written,
         point_to_point=evidence.point_to_point,
+        all_reduced=evidence.all_reduced,
         collectives=evidence.collectives,
         agent=identity.agent,
         group_rank=identity.group_rank,

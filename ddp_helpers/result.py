@@ -57,6 +57,9 @@ class RankResult:
         point_to_point: the `send`/`recv`/`isend`/`irecv` calls its script made, in order, as the launcher
             saw them: {"op", "peer", "shape", "dtype", "values" (small tensors only)}; empty if the rank
             did not end normally.
+        all_reduced: its script's own `all_reduce` calls, in order (the first 1000), as the launcher saw
+            them: {"shape", "dtype", "op", "values" (what it put in; tensors of at most 64 elements)};
+            DDP's all-reduces, made in C++, are not among them. Empty if the rank did not end normally.
         collectives: the collectives its script called, in order, as torch's flight recorder held them at
             the end (its last 2000): {"number" (in its group), "op", "shapes", "dtypes", "group"}; empty if
             the rank did not end normally.
@@ -78,6 +81,7 @@ class RankResult:
     root_cause: bool = False
     files_written: tuple[str, ...] = ()
     point_to_point: tuple[dict, ...] = ()
+    all_reduced: tuple[dict, ...] = ()
     collectives: tuple[dict, ...] = ()
     agent: int | None = None
     group_rank: int | None = None

@@ -11,6 +11,7 @@
         rank0.exit.json              how rank 0's script ended (its exit code), for launches without an agent to ask
         rank0.writes.json            the files rank 0's script wrote, seen by the bootstrap (`RankEvidence`)
         rank0.p2p.json               its send/recv calls; rank0.collectives.json: its collectives (flight recorder)
+        rank0.all_reduced.json       what its script handed to all_reduce (values of small tensors)
         rank0.stack                  every thread's stack, written when a timed-out run asks (SIGUSR1)
         rank0.hang.request           a named pipe: the launcher opens it when a run times out, and rank 0
                                      answers with rank0.hang.json, what it waits in (`_hang_probe`)
@@ -30,7 +31,7 @@ No other module spells these names: each file has its methods here.
   rank's own files from the folder's.
 - Written by the ranks (light: no torch import): `from_environment()`, `write_identity(RankIdentity)`,
   `write_error(RankErrorRecord)`, `clear_error(rank)`, `write_exit(rank, code)`,
-  `write_evidence(rank, files_written=, point_to_point=, collectives=)`, `write_hang_answer(rank, answer)`,
+  `write_evidence(rank, files_written=, point_to_point=, all_reduced=, collectives=)`, `write_hang_answer(rank, answer)`,
   `belongs_to_this_launch()`.
 - Written by the supervisor: `write_outcome(outcome, agent=None)`.
 - Read by the launcher: `claim(path)`, `start_launch(run_id)`, `release()`, `read_identity(rank)`,
@@ -103,10 +104,12 @@ class RankErrorRecord:
 @dataclass(frozen=True)
 class RankEvidence:
     """What the bootstrap saw a rank's script do, written as it ended: `rankN.writes.json` (files it
-    wrote), `rankN.p2p.json` (send/recv calls) and `rankN.collectives.json` (from the flight recorder)."""
+    wrote), `rankN.p2p.json` (send/recv calls), `rankN.all_reduced.json` (what its script handed to
+    all_reduce) and `rankN.collectives.json` (from the flight recorder)."""
 
     files_written: tuple[str, ...] = ()
     point_to_point: tuple[dict, ...] = ()
+    all_reduced: tuple[dict, ...] = ()
     collectives: tuple[dict, ...] = ()
 
 
@@ -245,9 +248,10 @@ class RunFolder:
     def write_exit(self, rank: int, exit_code: int) -> None:
         self.write_json(self._rank_file(rank, "exit.json"), {"rank": rank, "exit_code": exit_code})
 
-    def write_evidence(self, rank: int, *, files_written, point_to_point, collectives) -> None:
+    def write_evidence(self, rank: int, *, files_written, point_to_point, all_reduced, collectives) -> None:
         self.write_json(self._rank_file(rank, "writes.json"), {"rank": rank, "files": sorted(files_written)})
         self.write_json(self._rank_file(rank, "p2p.json"), {"rank": rank, "calls": list(point_to_point)})
+        self.write_json(self._rank_file(rank, "all_reduced.json"), {"rank": rank, "calls": list(all_reduced)})
         self.write_json(self._rank_file(rank, "collectives.json"), {"rank": rank, "calls": list(collectives)})
 
     def write_hang_answer(self, rank: int, answer: dict) -> None:
@@ -386,6 +390,7 @@ class RunFolder:
             return tuple((self.read_own_json(self._rank_file(rank, kind)) or {}).get(key, ()))
 
         return RankEvidence(files_written=calls("writes.json", "files"), point_to_point=calls("p2p.json"),
+                            all_reduced=calls("all_reduced.json"),
                             collectives=calls("collectives.json"))
 
     def read_hang_answer(self, rank: int) -> dict | None:

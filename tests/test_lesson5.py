@@ -86,14 +86,39 @@ WRONG_FIXES = {
                   "record('weights', exercise_reference(world_size))\ndist.destroy_process_group()\n",
         "the run failed"),
     "every rank computes every rank's gradient itself": (lambda s: s.split("done = []")[0] + EVERY_RANK_ALONE, "too few all-reduces"),
+    # The same, with the given all-reduces kept for show: they reduce the average every rank computed alike.
+    "every rank computes every rank's gradient, then all-reduces the average": (
+        lambda s: s.split("done = []")[0] + EVERY_RANK_ALONE.replace(
+            "        p.grad = sum_ / world_size\n",
+            "        p.grad = sum_ / world_size\n        dist.all_reduce(p.grad)\n        p.grad /= world_size\n"),
+        "not every rank all-reduced its own gradient"),
+    # The reference's weights typed in, and all-reduces of zeros in the numbers a real training would make.
+    "the reference's numbers typed in, beside all-reduces of zeros": (
+        lambda s: s.split("done = []")[0] + "for step in range(STEPS):\n    for p in model.parameters():\n"
+                  "        dist.all_reduce(torch.zeros_like(p))\n"
+                  f"record('steps', list(range(STEPS)))\nrecord('weights', {_typed_in_reference()})\n"
+                  "dist.destroy_process_group()\n",
+        "not every rank all-reduced its own gradient"),
+    "no weights recorded": (lambda s: _solution().replace('record("weights", [p.detach().cpu() for p in model.parameters()])',
+                                                          'record("weights", [])'),
+                            "record('weights', ...) as given"),
 }
+
+
+def _typed_in_reference() -> str:
+    return "[" + ", ".join(f"torch.tensor({p.tolist()!r})" for p in exercise_reference(2)) + "]"
+
+
+def _solution() -> str:
+    _, _, (solution, *_) = exercise_cells("05_when_things_go_wrong.ipynb")
+    return solution.split("\n", 1)[1]
 
 
 @pytest.mark.parametrize("name", list(WRONG_FIXES))
 def test_a_wrong_fix_does_not_pass(write_script, sources, name):
     change, named = WRONG_FIXES[name]
     wrong = change(sources[0])
-    assert wrong != sources[0]
+    assert wrong not in sources
     run, report = judged(write_script, wrong, timeout_s=8)
     assert not report.passed and named in str(report), f"{report}\n{failure_report(run)}"
 

@@ -41,6 +41,8 @@ PROBE = textwrap.dedent(
         "default_dtype": str(torch.get_default_dtype()), "parent": os.getppid(), "main": __name__,
         "random": [torch.randn(1).item(), random.random(), float(np.random.rand())],
     })
+    dist.all_reduce(torch.tensor([dist.get_rank() + 1.0]))
+    dist.all_reduce(torch.zeros(100), op=dist.ReduceOp.MAX)
     dist.barrier()  # a rank that leaves straight after init can close a pair gloo's peer is still connecting
     dist.destroy_process_group()
     """
@@ -70,9 +72,14 @@ def processes(run) -> list[dict]:
 
 
 def test_a_warm_rank_is_the_same_process_as_a_cold_one(probe, zygote_pid):
-    cold = processes(run_on_cpu(probe, cold=True))
-    hot = processes(run_on_cpu(probe))
+    cold_run, hot_run = run_on_cpu(probe, cold=True), run_on_cpu(probe)
+    cold, hot = processes(cold_run), processes(hot_run)
     assert all(p["parent"] == zygote_pid for p in hot), "the second launch should have been warm"
+    # What each rank's script handed to all_reduce, seen alike: a small tensor's values, a large one's shape.
+    for run in (cold_run, hot_run):
+        assert [r.all_reduced for r in run.ranks] == [
+            ({"shape": [1], "dtype": "float32", "op": "SUM", "values": [rank + 1.0]},
+             {"shape": [100], "dtype": "float32", "op": "MAX"}) for rank in (0, 1)]
     assert all(p["parent"] != zygote_pid for p in cold)
     for c, w in zip(cold, hot):
         assert {k: v for k, v in w["env"].items() if k not in PER_LAUNCH} == \

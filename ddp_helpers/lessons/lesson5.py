@@ -89,24 +89,33 @@ def exercise_reference(world_size: int) -> list:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # inside a rank: recording these weights would skip the exercise
         raise RuntimeError("exercise_reference is the checker's answer, computed in the notebook: the exercise's "
                            "script must train the model itself")
+    return _intended_training(world_size)[0]
+
+
+def _intended_training(world_size: int) -> tuple[list, dict[int, list]]:
+    """(the weight and bias after the intended training, {rank: each step's weight gradient of its own kept
+    samples, zero where it kept none}): what each rank must put into its all-reduce, step by step."""
+    import torch
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     streams = [rank_batches(rank) for rank in range(world_size)]
+    contributions = {rank: [] for rank in range(world_size)}
     for _ in range(STEPS):
         total = [torch.zeros_like(p) for p in model.parameters()]
-        for stream in streams:
+        for rank, stream in enumerate(streams):
             inputs, targets, keep = next(stream)
+            model.zero_grad()
             if keep.any():
-                model.zero_grad()
                 torch.nn.functional.mse_loss(model(inputs[keep]), targets[keep]).backward()
                 for sum_, p in zip(total, model.parameters()):
                     sum_ += p.grad
+            contributions[rank].append(model.weight.grad.clone() if keep.any() else torch.zeros_like(model.weight))
         for sum_, p in zip(total, model.parameters()):
             p.grad = sum_ / world_size
         optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], contributions
 
 
 def skipped_steps(world_size: int) -> dict[int, list[int]]:
@@ -166,15 +175,65 @@ def check_hang_exercise(run: RunResult) -> ExerciseReport:
                                "every step")
         return report
     report.confirmed.append(f"the {world_size} ranks' weights agree bitwise")
-    reference = exercise_reference(world_size)
-    if all(torch.allclose(mine, ref, atol=1e-6) for mine, ref in zip(weights[0], reference)):
+    _judge_against_the_intended_training(report, run, weights[0])
+    return report
+
+
+def _judge_against_the_intended_training(report: ExerciseReport, run: RunResult, weights: list) -> None:
+    """The weights against the intended training's, and what each rank put into its all-reduces against
+    its own gradient of each step."""
+    import torch
+
+    world_size = len(run.ranks)
+    reference, contributions = _intended_training(world_size)
+    if [tuple(w.shape) for w in weights] != [tuple(r.shape) for r in reference]:
+        report.mistakes.append("record('weights', ...) as given: the model's weight and bias, "
+                               f"{[list(r.shape) for r in reference]}")
+    elif all(torch.allclose(mine, ref, atol=1e-6) for mine, ref in zip(weights, reference)):
         report.confirmed.append("the weights are those of the intended training, computed here in one process")
     else:
         report.mistakes.append(
             "the weights are not those of the intended training: each rank's gradient of its kept samples (zero "
             "when it kept none), summed over the ranks and divided by the world size; samples with an outlier "
             "stay dropped")
-    return report
+    not_contributed = {rank.rank: missing for rank in run.ranks
+                       if (missing := _steps_not_contributed(rank.all_reduced, contributions[rank.rank], world_size))}
+    if not_contributed:
+        report.mistakes.append(
+            "not every rank all-reduced its own gradient ("
+            + "; ".join(f"rank {r}: steps {s}" for r, s in not_contributed.items())
+            + "): each rank puts in the gradient of its own kept samples, or zeros where it kept none, and the "
+              "all-reduce sums them; a rank must not compute the other ranks' gradients, nor all-reduce something else")
+    else:
+        report.confirmed.append("every rank all-reduced its own gradient in every step (zeros where it kept no "
+                                "sample), as the launcher saw the values it put in")
+
+
+def _steps_not_contributed(all_reduced, expected: list, world_size: int) -> list[int]:
+    """The steps whose weight gradient (expected[step], or it divided by the world size) is in none of the
+    values the rank handed to all_reduce, in order: the all-reduces of one step come after the previous's."""
+    import torch
+
+    inputs = [torch.tensor(call["values"], dtype=torch.float64) for call in all_reduced if "values" in call]
+    missing, position = [], 0
+    for step, gradient in enumerate(expected):
+        wanted = [gradient.double().flatten(), gradient.double().flatten() / world_size]
+        found = next((index for index in range(position, len(inputs))
+                      if any(_contains(inputs[index], w) for w in wanted)), None)
+        if found is None:
+            missing.append(step)
+        else:
+            position = found + 1
+    return missing
+
+
+def _contains(values, wanted) -> bool:
+    """Whether `wanted` appears, to float32's rounding, as consecutive elements of `values`."""
+    import torch
+
+    n = len(wanted)
+    return any(torch.allclose(values[start:start + n], wanted, rtol=1e-4, atol=1e-6)
+               for start in range(len(values) - n + 1))
 
 
 def _all_reduced_values(collectives) -> int:

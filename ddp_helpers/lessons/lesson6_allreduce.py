@@ -2,7 +2,8 @@
 
 For each payload, from 1 KiB up to MAX_BYTES (powers of 4), in float32: a few warm-up all-reduces,
 then REPEATS timed ones; a rank's time for the payload is its median. The collective's time is the
-slowest rank's (the all-reduce is not done until every rank has its result), as nccl-tests report it.
+slowest rank's (the all-reduce is not done until every rank has its result), as nccl-tests report it
+with `-a 3` (their default, `-a 1`, averages over the ranks).
 Rank 0 records [{"bytes", "seconds"}] as "allreduce".
 """
 

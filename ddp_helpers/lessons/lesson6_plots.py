@@ -55,7 +55,7 @@ def plot_step_timeline(facts_per_rank: list[dict], title: str = "One backward() 
         for index, (launched, done, _size) in enumerate(buckets):
             y = rank + 0.05 + 0.3 * index / max(1, len(buckets) - 1)
             ax.plot([launched * 1e3, done * 1e3], [y, y], "-", color=rank_color(rank), linewidth=1.6,
-                    label="each bucket's all-reduce, launch to result" if rank == 0 and index == 0 else None)
+                    label="each bucket's all-reduce, launch to callback" if rank == 0 and index == 0 else None)
     ax.set_yticks(range(len(facts_per_rank)), [f"rank {r}" for r in range(len(facts_per_rank))])
     ax.set_ylim(len(facts_per_rank) - 0.55, -0.5)
     ax.set_xlabel("ms from the start of backward() (bars: medians over the repetitions; lines: one of them)")

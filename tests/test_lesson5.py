@@ -159,3 +159,24 @@ def test_a_py_spy_sample_that_fails_midway_is_taken_again(tmp_path, monkeypatch)
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
     assert py_spy_dump(1, until="train.py:3") == (True, "<module> (train.py:3)")
+
+
+def test_a_run_stopped_by_its_timeout_while_training_is_not_called_a_hang():
+    """A slow machine (a cold start under load) can stop the right fix at the exercise's short --timeout:
+    the checker then says to raise it, not that the run hangs."""
+    from pathlib import Path
+
+    from ddp_helpers.config import LaunchConfig
+    from ddp_helpers.hang import HangReport, RankState
+    from ddp_helpers.result import RankResult, RunResult
+
+    busy = HangReport((RankState(0, "all_reduce", "#31", "[1, 4] float32", "world", "line 36"),
+                       RankState(1, "not in a collective (running Python)", line="line 33")),
+                      "rank 1 never called all_reduce #31, which rank 0 is waiting in (line 36): rank 1 is in your "
+                      "code at line 33, in no collective.")
+    run = RunResult(LaunchConfig(Path("/tmp/exercise.py"), 2, "gloo", 6.0, Path("/tmp/x")),
+                    (RankResult(0, None, "", ""), RankResult(1, None, "", "")), 6.0, "gloo", ("cpu",) * 2, None,
+                    True, hang=busy)
+    text = str(check_hang_exercise(run))
+    assert "did not finish within its --timeout of 6 s" in text and "raise --timeout" in text, text
+    assert "the run hangs" not in text

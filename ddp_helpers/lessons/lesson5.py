@@ -131,11 +131,19 @@ def check_hang_exercise(run: RunResult) -> ExerciseReport:
     report = ExerciseReport(verdict_when_passed="All checks pass: every rank took part in every step, the ranks "
                                                 "agree bitwise, and the model trained as intended.")
     if run.timed_out:
-        cause = run.hang.cause if run.hang else "see where each rank was, above"
-        report.mistakes.append(
-            f"the run hangs. {cause} Which step did each rank reach last (their 'step N done' lines), and why "
-            "would one rank run fewer all-reduces than another? A longer timeout or an added barrier does not "
-            "change that")
+        cause = run.hang.cause if run.hang else "See where each rank was, above."
+        # The given script's hang: a rank one all-reduce behind pairs its collectives with the wrong ones
+        # (the hang report's "disagree"), or one rank left while another still waits in a collective.
+        if "disagree at collective" in cause or ("never called" in cause and "in your code" not in cause):
+            report.mistakes.append(
+                f"the run hangs. {cause} Which step did each rank reach last (their 'step N done' lines), and why "
+                "would one rank run fewer all-reduces than another? A longer timeout or an added barrier does not "
+                "change that")
+        else:  # no rank waits on a collective the others will not call: perhaps only a slow start
+            report.mistakes.append(
+                f"the run did not finish within its --timeout of {run.config.timeout_s:.0f} s, and no rank waited on a "
+                f"collective another would not call. {cause} If the ranks were still printing 'step N done' lines, "
+                "the machine is only slow: raise --timeout (e.g. --timeout 30) and run it again")
         return report
     if not run.ok:
         report.mistakes.append("the run failed; fix the error shown above first")

@@ -91,13 +91,34 @@ def _capped(text: str, keep: int = ERROR_KEEP_CHARS) -> str:
 
 
 def _print_user_traceback(error: BaseException, script: str) -> str:
-    """The traceback from the script's first frame on: the bootstrap's frames are noise."""
+    """The traceback from the script's first frame on, as plain torchrun would show it: the bootstrap's
+    frames, and those of the wrappers it puts around torch functions (a `dist.all_reduce` that raises
+    would show `_all_reduce_log`'s), are noise."""
     tb = error.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename != script:
         tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(error), error, tb or error.__traceback__))
+    shown = traceback.TracebackException(type(error), error, tb or error.__traceback__)
+    _drop_wrapper_frames(shown, seen=set())
+    text = "".join(shown.format())
     sys.stderr.write(text)
     return text
+
+
+_WRAPPER_FILES = {os.path.abspath(module.__file__) for module in (_all_reduce_log, _point_to_point)} | {
+    os.path.abspath(__file__)}
+
+
+def _drop_wrapper_frames(shown: traceback.TracebackException, seen: set) -> None:
+    """Remove our wrappers' frames from a traceback and the exceptions chained to it."""
+    if id(shown) in seen:
+        return
+    seen.add(id(shown))
+    kept = [frame for frame in shown.stack if os.path.abspath(frame.filename) not in _WRAPPER_FILES]
+    if kept:  # a failure inside our own code keeps its frames: there is nothing else to show
+        shown.stack = traceback.StackSummary.from_list(kept)
+    for chained in (shown.__cause__, shown.__context__, *(getattr(shown, "exceptions", None) or ())):
+        if chained is not None:
+            _drop_wrapper_frames(chained, seen)
 
 
 def _warn_if_process_group_left_open(rank: int) -> None:

@@ -133,6 +133,29 @@ def test_a_failing_rank_is_named_with_its_traceback_and_the_others_stop(write_sc
     assert processes_left("TEST_MARK", marker) == []
 
 
+def test_a_torch_function_raising_shows_torchs_frames_not_the_launchers_wrappers(write_script):
+    """The launcher wraps all_reduce and send in each rank (to log what crossed): a traceback through them
+    reads as plain torchrun's, the learner's line then torch's frames."""
+    script = write_script(
+        "raises_in_torch",
+        """
+        import torch
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 0:
+            dist.all_reduce([1.0])  # not a tensor
+        else:
+            dist.send(torch.ones(1), dst=1)  # to itself
+        """,
+    )
+    run = run_on_cpu(script)
+    for rank in run.ranks:
+        traceback = rank.error.traceback if rank.error else rank.stderr
+        assert "distributed_c10d.py" in traceback and "raises_in_torch.py" in traceback, failure_report(run)
+        assert "_all_reduce_log" not in traceback and "_point_to_point" not in traceback, traceback
+        assert "_all_reduce_log" not in rank.stderr and "_point_to_point" not in rank.stderr, rank.stderr
+
+
 def test_a_hang_times_out_with_a_stack_dump_per_rank(write_script, capsys, warm_launches):
     # Warm (no --env): a cold start of two ranks importing torch can take most of the 8 s on a loaded machine.
     script = write_script(

@@ -274,11 +274,11 @@ class RunResult:
         return self
 
 
-def error_line(rank: RankResult) -> str:
-    """A rank's exception as one line of at most 200 characters."""
+def error_line(rank: RankResult, limit: int = 200) -> str:
+    """A rank's exception as one line of at most `limit` characters."""
     message = (rank.error.message.strip().splitlines() or [""])[0]
     line = f"{rank.error.type}: {message}" if message else rank.error.type
-    return line if len(line) <= 200 else line[:197] + "..."
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def relation_to_root_cause(rank: RankResult, root: RankResult) -> str:
@@ -297,9 +297,8 @@ def _raised_at(rank: RankResult) -> str | None:
 
 
 def _failure_reason(rank: RankResult) -> str:
-    if rank.error is not None:
-        return f"{rank.error.type}: {rank.error.message}" if rank.error.message else rank.error.type
-    return rank.status
+    """The root cause in one line (its whole message is in its traceback, shown with the summary)."""
+    return error_line(rank, limit=300) if rank.error is not None else rank.status
 
 
 class RunFailed(RuntimeError):

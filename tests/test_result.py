@@ -89,3 +89,12 @@ def test_a_rank_that_raised_the_same_error_itself_is_not_called_a_consequence():
     assert "rank 1: failed (exit code 1): KeyError: 'id', the same error as rank 0's, raised on this rank too" in summary
     assert "rank 2: failed (exit code 1): KeyError: 'id', a consequence of rank 0's failure" in summary  # another line
     assert "rank 3: failed (exit code 1): RuntimeError: Connection closed by peer, a consequence of rank 0's failure" in summary
+
+
+def test_the_root_cause_is_one_line_in_the_summary_its_whole_message_in_the_traceback():
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL's mismatch message is about 700 characters: the traceback above has it.
+    long = "Detected mismatch between collectives on ranks. " + "CollectiveFingerPrint(...) " * 30 + "\nsecond line"
+    run = make_run([RankResult(0, 1, "", "", error=RankError("RuntimeError", long, "tb0", time=1.0))])
+    line = run.summary().splitlines()[1]
+    assert line.startswith("Rank 0 failed first, the root cause: RuntimeError: Detected mismatch") and line.endswith("...")
+    assert len(line) <= len("Rank 0 failed first, the root cause: ") + 300 and "second line" not in run.summary()

@@ -3,7 +3,8 @@ headless Chromium (Debian's `chromium` package, driven by Playwright; nothing do
 
 For each notebook: all cells run with no error output, per-rank output shows, plot images render,
 widgets render as widgets (not their text form), and moving a slider redraws its plot. A screenshot
-per notebook lands in test-artifacts/screenshots/. JupyterLab runs on 127.0.0.1, a free port, with a
+per notebook lands in test-artifacts/screenshots/, and the notebook as JupyterLab saved it after the
+run (every output) in test-artifacts/executed/. JupyterLab runs on 127.0.0.1, a free port, with a
 token and temporary settings, on a copy of the notebooks (it autosaves what it runs), and is shut
 down at the end with nothing of it left running.
 """
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 NOTEBOOKS = course_notebooks()
 SCREENSHOTS = ROOT / "test-artifacts" / "screenshots"
+EXECUTED = ROOT / "test-artifacts" / "executed"
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--disable-quic",
@@ -278,6 +280,9 @@ def test_notebook_runs_in_jupyterlab(browser, lab, notebook):
         open_notebook(page, lab, notebook.name)
         run_all_cells(page)
         problems = cells_that_failed_or_never_ran(saved_notebook(page, lab.root / "notebooks" / notebook.name))
+        # The run as JupyterLab saved it, outputs included: every output a learner saw, to read afterwards.
+        EXECUTED.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(lab.root / "notebooks" / notebook.name, EXECUTED / notebook.name)
         assert not problems, f"{notebook.name}:\n" + "\n---\n".join(problems)[:4000]
 
         texts = output_texts(page)

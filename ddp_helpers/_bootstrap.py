@@ -37,7 +37,7 @@ import types
 
 from . import _all_reduce_log, _hang_probe, _point_to_point
 from .processes import die_with_parent
-from .run_folder import AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, RankErrorRecord, RankIdentity, RunFolder
+from .run_folder import AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, IMPORT_DIR_ENV, RankErrorRecord, RankIdentity, RunFolder
 
 _BUFFERED_FILE_TYPES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 _open_stack_file = None  # kept alive: faulthandler writes into it from its signal handler
@@ -355,6 +355,9 @@ def main() -> None:
             patches["torch.distributed.rendezvous"] = _keep_rank0_store_on_loopback
         _PatchOnImport.install(patches)
     sys.path.insert(0, os.path.dirname(script))
+    import_dir = os.environ.get(IMPORT_DIR_ENV)
+    if import_dir and import_dir not in sys.path:  # a cell's notebook folder: its modules import as in the kernel
+        sys.path.insert(1, import_dir)
 
     exit_code = 0
     try:

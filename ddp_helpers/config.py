@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import dataclasses
 import os
 import re
 import types
@@ -131,6 +132,8 @@ class LaunchConfig:
         warm (bool): fork the supervisor and the ranks from a process that has torch imported (see
             `warm`), where that gives the same result; False always starts fresh interpreters.
         extra_env (Mapping[str, str]): environment variables added for every rank.
+        import_dir (Path | None): a folder on the ranks' sys.path after the script's own (a %%torchrun
+            cell's notebook folder: what the kernel imports from there, the cell's ranks import too).
         script_args (tuple[str, ...]): command-line arguments passed to the script.
         stream (bool): print each rank's output live, prefixed by its rank.
 
@@ -153,6 +156,7 @@ class LaunchConfig:
     kill_after: str | None = None
     join_after: str | None = None
     cluster: ClusterJob | None = None
+    import_dir: Path | None = None
 
     @property
     def working_dir(self) -> Path:
@@ -264,6 +268,7 @@ def make_launch_config(
     join_after: str | None = None,
     cluster: ClusterJob | None = None,
     hardware: Hardware | None = None,
+    import_dir: str | os.PathLike | None = None,
 ) -> LaunchConfig:
     """Validate a launch request and fill in its defaults from the hardware present.
 
@@ -297,6 +302,8 @@ def make_launch_config(
             running it here; the job checks its own options (see `slurm.SlurmJob`), and the GPUs of this
             machine do not matter.
         hardware: the devices to plan for; detected when omitted.
+        import_dir: a folder the ranks import from after the script's own (`%%torchrun` passes the
+            notebook's folder).
 
     Raises:
         LaunchError: bad nproc or timeout, unknown backend, a missing script or cwd, more nccl ranks
@@ -314,9 +321,13 @@ def make_launch_config(
     if cluster is not None:
         if not isinstance(cluster, ClusterJob):
             raise LaunchError(f"cluster must be a cluster job such as SlurmJob(nodes=2), got {type(cluster).__name__}.")
-        return cluster.launch_config(request)
-    return _local_launch_config(request, nnodes=nnodes, kill_rank=kill_rank, kill_after=kill_after,
-                                join_after=join_after, cold=cold, hardware=hardware or detect_hardware())
+        config = cluster.launch_config(request)
+    else:
+        config = _local_launch_config(request, nnodes=nnodes, kill_rank=kill_rank, kill_after=kill_after,
+                                      join_after=join_after, cold=cold, hardware=hardware or detect_hardware())
+    if import_dir is not None:
+        config = dataclasses.replace(config, import_dir=Path(import_dir).expanduser().resolve())
+    return config
 
 
 def _checked_request(script, *, timeout_s, run_dir, cwd, extra_env, script_args, stream, max_restarts, nproc,

@@ -36,7 +36,7 @@ from .config import LaunchConfig, inherited_environment
 from .engine import Ending, Engine
 from .output import RankOutputStreamer
 from .processes import kill_marked, kill_process_groups, process_is_dead, run_despite_interrupts, stop_process_group
-from .run_folder import RUN_DIR_ENV, RUN_ID_ENV, RunFolder
+from .run_folder import IMPORT_DIR_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder
 from .supervisor_spec import SupervisorSpec
 from .text_in_file import TextInFile
 from .warm import WarmProcess, current_umask, warm_zygote, what_happened_to_the_warm_process
@@ -74,6 +74,7 @@ def child_environment(config: LaunchConfig, run_id: str, base: dict[str, str] | 
         {
             RUN_DIR_ENV: str(config.run_dir),
             RUN_ID_ENV: run_id,
+            **({IMPORT_DIR_ENV: str(config.import_dir)} if config.import_dir else {}),
             "PYTHONUNBUFFERED": "1",
             "GLOO_SOCKET_IFNAME": "lo",
             "NCCL_SOCKET_IFNAME": "lo",

@@ -21,6 +21,7 @@ import shlex
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -67,7 +68,7 @@ class TorchrunMagics(Magics):
               help=f"seconds before the run is stopped with a stack dump of every rank (default {DEFAULT_TIMEOUT_S:.0f})")
     @argument("--cwd", default=None,
               help="the ranks' working directory, e.g. '.' for the notebook's folder (default: the cell's run "
-                   "folder, emptied at each launch)")
+                   "folder, emptied at each launch); modules beside the notebook import either way")
     @argument("--cold", action="store_true",
               help="start every process as a fresh interpreter (by default the ranks are forked from a "
                    "process that has torch imported, when that gives the same result)")
@@ -139,6 +140,7 @@ class TorchrunMagics(Magics):
                     cwd=args.cwd, cold=args.cold, max_restarts=args.max_restarts, nnodes=args.nnodes,
                     kill_rank=args.kill_rank, kill_after=_unquoted(args.kill_after), extra_env=_variables(args.env),
                     join_after=_unquoted(args.join_after), cluster=_slurm_job(args),
+                    import_dir=Path.cwd(),  # where the kernel imports from: the notebook's folder in Jupyter
                 )
             except LaunchError as error:
                 raise UsageError(str(error)) from None

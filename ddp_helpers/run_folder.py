@@ -63,6 +63,9 @@ from pathlib import Path
 
 
 RUN_DIR_ENV = "DDP_HELPERS_RUN_DIR"
+# A folder each rank puts on sys.path after its script's own: a cell's notebook folder, so that a module
+# beside the notebook imports in the cell's ranks as it does in the kernel.
+IMPORT_DIR_ENV = "DDP_HELPERS_IMPORT_DIR"
 RUN_ID_ENV = "DDP_HELPERS_RUN_ID"
 AGENT_PID_ENV = "DDP_HELPERS_AGENT_PID"
 # Which of the run's torchrun agents ("machines") started a rank.

@@ -39,7 +39,7 @@ from .config import DEFAULT_CPU_NPROC, LaunchConfig, default_run_dir, parse_npro
 from .engine import ClusterJob, Ending, Engine, LaunchRequest
 from .errors import LaunchError
 from .result import NEVER_LEFT_THE_QUEUE
-from .run_folder import RUN_DIR_ENV, RUN_ID_ENV, RunFolder
+from .run_folder import IMPORT_DIR_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder
 
 MAX_SLURM_NODES = 64
 POLL_INTERVAL_S = 0.5
@@ -129,6 +129,7 @@ def job_script(config: LaunchConfig, run_id: str) -> str:
     options += [f"--partition={job.partition}"] * bool(job.partition) + [f"--time={job.time}"] * bool(job.time)
     options += [f"--gpus-per-node={job.gpus_per_node}"] * bool(job.gpus_per_node) + list(job.sbatch_args)
     exports = {RUN_DIR_ENV: str(config.run_dir), RUN_ID_ENV: run_id, "PYTHONUNBUFFERED": "1",
+               **({IMPORT_DIR_ENV: str(config.import_dir)} if config.import_dir else {}),
                # restarts (--max-restarts) reconnect only without the agent's shared store (torch 2.13)
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **config.extra_env}
     worker = " ".join(shlex.quote(a) for a in ("-m", "ddp_helpers._bootstrap", str(config.script), *config.script_args))

@@ -176,6 +176,18 @@ def test_a_cell_never_imports_another_cells_script(ipython, tmp_path):
     assert ipython.user_ns["second"].facts("who") == ["my own file"] * 2
 
 
+def test_a_module_beside_the_notebook_imports_in_a_cell_as_in_the_kernel(ipython, tmp_path, monkeypatch):
+    # Jupyter starts the kernel in the notebook's folder, and `import model` there finds model.py beside
+    # the notebook: the cell's ranks (whose script lives in the run folder) find it too.
+    (tmp_path / "course").mkdir()
+    (tmp_path / "course" / "model_beside.py").write_text("WHO = 'beside the notebook'\n")
+    monkeypatch.chdir(tmp_path / "course")
+    result = run_cell(ipython, "-n 2 --backend gloo --name beside --out beside",
+                      "import model_beside\nfrom ddp_helpers import record\nrecord('who', model_beside.WHO)\n")
+    assert result.success, result.error_in_exec
+    assert ipython.user_ns["beside"].facts("who") == ["beside the notebook"] * 2
+
+
 def test_env_values_may_hold_spaces_quoted_as_in_a_shell(ipython):
     result = run_cell(ipython, "-n 2 --backend gloo --name spaced --out spaced --env 'MSG=hello world' --env WHO='the cell'",
                       "import os\nfrom ddp_helpers import record\nrecord('env', [os.environ['MSG'], os.environ['WHO']])\n")

@@ -167,7 +167,10 @@ def _cause(rows: list[RankState], collectives: dict[int, list[dict]], answers: d
         if len(kinds) > 1:
             parts = [c["op"] + (f" of {_shape(c)}" if _shape(c) else "") + f" on rank {rank}"
                      + (f" (line {c['line']})" if c.get("line") else "") for rank, c in sorted(calls.items())]
-            return f"The ranks disagree at collective #{number}: {', '.join(parts)}."
+            moved_on = sorted(rank for rank, w in waiting.items() if w["group"] == group and w["number"] > number)
+            went_on = (f" {_names(moved_on).capitalize()} returned from it anyway (gloo can pair collectives that do not match) "
+                       f"and went on." if moved_on else "")
+            return f"The ranks disagree at collective #{number}: {', '.join(parts)}.{went_on}"
         op = next(iter(calls.values()))["op"]
         waiters = sorted(rank for rank in waiting if waiting[rank]["number"] == number and waiting[rank]["group"] == group)
         missing = [rank for rank, c in sorted(called.items()) if c is None and rank not in waiters]

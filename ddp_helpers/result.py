@@ -253,6 +253,11 @@ class RunResult:
         root = self.first_failure
         if root is not None:
             lines.append(f"Rank {root.rank} failed first, the root cause: {_failure_reason(root)}")
+            left = [r.rank for r in self.ranks if r.exit_code == 0]
+            if left and root.error and _PEER_CLOSED.search(root.error.message):
+                lines.append(f"Its peer went away: rank(s) {left} had finished their script normally (exit code 0) "
+                             "while it still waited in a collective. Every rank must make the same collectives "
+                             "(the same number of backward() calls under DDP).")
             if root.error and self.config.stream:
                 lines.append(f"(its traceback is above, under [rank {root.rank}])")
             elif root.error:
@@ -279,6 +284,11 @@ def error_line(rank: RankResult, limit: int = 200) -> str:
     message = (rank.error.message.strip().splitlines() or [""])[0]
     line = f"{rank.error.type}: {message}" if message else rank.error.type
     return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+# How gloo and nccl say that the other end of a collective's connection went away.
+_PEER_CLOSED = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited",
+                          re.IGNORECASE)
 
 
 def relation_to_root_cause(rank: RankResult, root: RankResult) -> str:

@@ -120,3 +120,18 @@ def test_the_report_is_data_a_checker_can_read():
                             RankState(1, "not in a collective (running Python)", line="line 12"))
     assert report.cause.startswith("Rank 1 never called all_reduce #2, which rank 0 is waiting in (line 9)")
     assert "rank  waiting in" in report.table()
+
+
+def test_a_rank_that_returned_from_a_mismatched_collective_is_said_to_have_gone_on():
+    # Lesson 5's exercise: rank 0 averaged a scalar loss (#4) while rank 1 all-reduced a gradient; gloo let
+    # rank 0 return, and it waits in #5 now.
+    def call(number, shape, returned):
+        return {"op": "all_reduce", "shapes": [shape], "dtypes": ["Float"], "group": "world", "number": number,
+                "returned": returned}
+
+    answers = {0: {"collectives": [call(4, [], True), call(5, [1, 4], False)], "point_to_point": None},
+               1: {"collectives": [call(4, [1, 4], False)], "point_to_point": None}}
+    report = build_report(answers, {0: "line 36", 1: "line 36"}, {}, {})
+    assert report.cause.startswith("The ranks disagree at collective #4: all_reduce of [] (a scalar) float32 on rank 0")
+    assert report.cause.endswith(" Rank 0 returned from it anyway (gloo can pair collectives that do not match) and "
+                                 "went on."), report.cause

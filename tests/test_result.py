@@ -98,3 +98,15 @@ def test_the_root_cause_is_one_line_in_the_summary_its_whole_message_in_the_trac
     line = run.summary().splitlines()[1]
     assert line.startswith("Rank 0 failed first, the root cause: RuntimeError: Detected mismatch") and line.endswith("...")
     assert len(line) <= len("Rank 0 failed first, the root cause: ") + 300 and "second line" not in run.summary()
+
+
+def test_a_root_cause_that_lost_its_peer_names_the_ranks_that_had_finished():
+    # Uneven inputs under gloo: rank 0 ran out of batches and exited; rank 1's next backward lost it.
+    closed = "[pair.cc:553] Connection closed by peer [127.0.0.1]:55998. This is typically caused by a remote worker crashing."
+    run = make_run([RankResult(0, 0, "", ""),
+                    RankResult(1, 1, "", "", error=RankError("RuntimeError", closed, "tb1", time=1.0))])
+    lines = run.summary().splitlines()
+    assert lines[2].startswith("Its peer went away: rank(s) [0] had finished their script normally (exit code 0)")
+    crashed = make_run([RankResult(0, -9, "", "", ended_at=0.5),
+                        RankResult(1, 1, "", "", error=RankError("RuntimeError", closed, "tb1", time=5.0))])
+    assert "Its peer went away" not in crashed.summary()  # a peer that crashed is no normal finish

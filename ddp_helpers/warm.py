@@ -246,7 +246,8 @@ class ZygoteHandle:
     def note(self, text: str) -> None:
         if text not in self._notes_shown:
             self._notes_shown.add(text)
-            print(f"[ddp_helpers] cold launch: {text}", file=sys.stderr, flush=True)
+            # "cold": fresh interpreters that import torch themselves, not forked from the warm process
+            print(f"[ddp_helpers] cold launch, in fresh processes: {text}", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

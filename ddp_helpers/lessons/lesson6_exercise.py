@@ -151,9 +151,7 @@ def _judge_bytes(run: RunResult, report: ExerciseReport) -> None:
         report.mistakes.append(
             f"each step sent {per_step:,.0f} bytes on average, {per_step / full:.0%} of plain DDP's {full:,} (float32 "
             "gradients): not half. Section 5 measured what DDP can send instead of the float32 gradients: which of "
-            "those sends exactly half, and changes the values only by rounding? PowerSGD will not pass: with its "
-            "defaults it sends every byte for its first 1000 steps, and once it compresses it changes the training "
-            "by more than 1 %")
+            "those sends exactly half, and changes the values only by rounding?")
     elif per_step < full / 4:
         report.mistakes.append(f"each step sent only {per_step:,.0f} bytes, less than a quarter of the gradients' "
                                f"{full:,}: that is a lossy compression (PowerSGD's low-rank approximation, say), "

@@ -47,7 +47,7 @@ LESSON_2 = [
              "DDP broadcasts rank 0's parameters and buffers when it wraps the model, so every rank starts from the checkpoint.",
              "Step 4: what does the wrap do with rank 0's weights?"),
     Question("A data set of 10 samples on 4 ranks with DistributedSampler (drop_last=False). How many samples does each rank get?",
-             ("2, and 2 samples are never seen", "3, two of them repeats", "2 or 3: the shares are uneven"),
+             ("2, and 2 samples are never seen", "3 each: 2 samples appear twice", "2 or 3: the shares are uneven"),
              1,
              "The sampler pads the index list to 12 by repeating samples, so every rank takes 3 and takes the same number of steps.",
              "Ranks that run different numbers of steps would wait for each other in a collective."),

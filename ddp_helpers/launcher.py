@@ -80,8 +80,10 @@ def follow(engine: Engine, config: LaunchConfig, folder: RunFolder) -> RunResult
         engine.start(run_id)
         # The timeout counts from the run's start: not the wait for a warm process still starting.
         deadline = time.monotonic() + config.timeout_s
-        while engine.running():
-            streamer.poll()
+        while True:
+            streamer.poll()  # before asking the engine: its notes ("killing rank 1 ...") follow the lines they cite
+            if not engine.running():
+                break
             if time.monotonic() > deadline:
                 timed_out = True
                 engine.on_timeout(streamer)

@@ -262,9 +262,14 @@ def _flush_standard_streams(exit_code: int) -> int:
     and a flush that fails makes a clean exit 120 (CPython's Py_FinalizeEx)."""
     for stream in (sys.stdout, sys.stderr):
         try:
-            if stream is not None and not stream.closed:
-                stream.flush()
-        except (OSError, ValueError):
+            closed = getattr(stream, "closed", False)  # a script's own stream object may have no such attribute
+        except Exception:  # noqa: BLE001 - as CPython's shutdown: an unreadable `closed` counts as open
+            closed = False
+        if stream is None or closed is True:
+            continue
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a script's stream may raise anything; CPython then exits 120
             exit_code = exit_code or 120
     return exit_code
 

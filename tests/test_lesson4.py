@@ -6,6 +6,9 @@ that change the training itself (reseeding, no dropout, one seed for all) fail t
 
 import re
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from ddp_helpers import run_script
@@ -80,12 +83,22 @@ def test_the_given_script_has_both_mistakes_named_without_the_fix(write_script):
     assert "rng" not in text.lower() and "+ 1" not in text, "hints must not give the fix"
 
 
-def test_the_solution_passes(write_script):
+def test_the_solution_passes(write_script, monkeypatch):
+    from ddp_helpers.lessons import lesson4
+
+    # The checker's own run of the exercise, made here (not cached), leaves no snapshot a script could copy.
+    made = []
+    monkeypatch.setattr(lesson4, "_REFERENCES", {})
+    real_mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: made.append(real_mkdtemp(**kw)) or made[-1])
     run = run_as_the_notebook_does(write_script, SOLUTION)
     assert run.ok, failure_report(run)
     report = check_resume_exercise(run)
     assert report.passed, str(report)
     assert "every one of the 24 steps ran exactly once" in str(report)
+    references = [folder for folder in made if Path(folder).name.startswith("lesson4-reference-")]
+    assert references and not any(Path(folder).exists() for folder in references), references
+    assert not list(run.run_dir.parent.glob("*reference*")), "the reference ran beside the learner's run"
 
 
 @pytest.mark.parametrize("wrong_fix", list(WRONG_FIXES))

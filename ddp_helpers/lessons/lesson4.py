@@ -17,6 +17,8 @@ fails, and so does one that restores only the CPU's random state on GPU ranks.
 from __future__ import annotations
 
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 from ..exercises import ExerciseReport
@@ -67,15 +69,19 @@ def _reference(run: RunResult) -> tuple[list[int], dict, set[str], int]:
     """The checker's own run of the exercise as given, without a kill, at `run`'s world size and backend."""
     from .. import run_script
 
-    key = (run.config.ranks_per_agent, run.backend)
+    key = (run.config.world_size, run.backend)  # one agent of world-size ranks: the same world as --nnodes N
     if key not in _REFERENCES:
-        reference = run_script(REFERENCE_SCRIPT, nproc=key[0], backend=key[1], stream=False,
-                               timeout_s=max(run.config.timeout_s, 60),
-                               run_dir=run.run_dir.with_name(run.run_dir.name + "-reference"))
-        reference.raise_for_failure()  # the checker's own script: a failure here is not the learner's
-        snapshot = _final_snapshot(reference)
+        # In a folder of its own, removed once read: no script can copy the reference's snapshot as its own.
+        scratch = Path(tempfile.mkdtemp(prefix="lesson4-reference-"))
+        try:
+            reference = run_script(REFERENCE_SCRIPT, nproc=key[0], backend=key[1], stream=False,
+                                   timeout_s=max(run.config.timeout_s, 60), run_dir=scratch / "run")
+            reference.raise_for_failure()  # the checker's own script: a failure here is not the learner's
+            snapshot = _final_snapshot(reference)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         if snapshot is None:
-            raise RuntimeError(f"the exercise's reference run wrote no {SNAPSHOT_NAME} in {reference.run_dir}")
+            raise RuntimeError(f"the exercise's reference run wrote no {SNAPSHOT_NAME}")
         gradient_all_reduces = _all_reduces(reference.ranks[0].collectives)
         _REFERENCES[key] = (steps_done(reference.ranks[0].stdout), snapshot, set(gradient_all_reduces),
                             len(gradient_all_reduces))
@@ -100,9 +106,13 @@ def _judge_steps(run: RunResult, expected: list[int], report: ExerciseReport, sh
             f"after the restart the ranks printed {len(attempts[-1])} steps but trained {round(trained)} (counted from "
             "DDP's gradient all-reduces, seen by torch's flight recorder): the restart computed steps it did not print")
     elif not repeated and not lost and done == expected:
-        report.confirmed.append(f"every one of the {len(expected)} steps ran exactly once: steps "
-                                f"{attempts[0][0]}-{attempts[0][-1]} before the kill, {attempts[-1][0]}-"
-                                f"{attempts[-1][-1]} after the restart")
+        before, after = attempts[0], attempts[-1]  # either may be empty: on many ranks a run has few steps
+        report.confirmed.append(f"every one of the {len(expected)} steps ran exactly once: "
+                                f"{_span(before)} before the kill, {_span(after)} after the restart")
+
+
+def _span(steps: list[int]) -> str:
+    return f"steps {steps[0]}-{steps[-1]}" if steps else "none"
 
 
 def _final_snapshot(run: RunResult) -> dict | None:

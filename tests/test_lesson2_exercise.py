@@ -111,3 +111,34 @@ def test_shortcuts_the_recorded_facts_cannot_hide_are_caught(write_script, sourc
     expected = ("run the exercise on 2 or more ranks" if case == "one rank"
                 else "the checkpoint's weights are not those the exercise's model, data and optimizer reach")
     assert len(report.mistakes) == 1 and expected in report.mistakes[0], str(report)
+
+
+# Every recorded fact and the checkpoint right, without any training across ranks: the orders each rank's
+# sampler would give, and the checker's own reference weights saved by rank 0, with no process group.
+WITHOUT_TRAINING = """
+import os
+import torch
+from torch.utils.data import DistributedSampler, TensorDataset
+from ddp_helpers import record
+from ddp_helpers.lessons.lesson2 import trained_on
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dataset, orders = TensorDataset(torch.arange(64)), {}
+for epoch in range(3):
+    orders[epoch] = []
+    for r in range(world):
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=r, seed=0)
+        sampler.set_epoch(epoch)
+        orders[epoch].append(list(sampler))
+    record(f"epoch{epoch}_indices", orders[epoch][rank])
+if rank == 0:
+    torch.save(trained_on(orders), "checkpoint.pt")
+"""
+
+
+def test_the_right_facts_and_weights_without_the_ranks_training_together_are_caught(write_script):
+    run = run_on_cpu(write_script("exercise", WITHOUT_TRAINING), nproc=2, stream=False)
+    assert run.ok, failure_report(run)
+    report = check_training_exercise(run)
+    assert len(report.mistakes) == 1 and "not every rank averaged its gradients with the others in each of the 12 " \
+        "steps" in report.mistakes[0], str(report)

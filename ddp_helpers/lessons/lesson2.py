@@ -7,6 +7,8 @@ says about itself beyond the indices each rank's DataLoader gave it (`epoch0_ind
 are held to the checkpoint:
 - the run has at least 2 ranks (on one, nothing about sharing the data or saving once can go wrong);
 - every epoch's order differs from every other epoch's;
+- every rank all-reduced gradients in every step it recorded (torch's flight recorder): rank 0 training
+  alone on every rank's batches, or no process group at all, does not pass;
 - in every epoch the ranks' shares are disjoint and cover the data set (up to DistributedSampler's padding);
 - who wrote the checkpoint is observed by the launcher (`RankResult.files_written`), not reported;
 - the checkpoint is loaded and must load into a plain, unwrapped model; a torn or unreadable file is named;
@@ -47,6 +49,8 @@ def check_training_exercise(run: RunResult) -> ExerciseReport:
         report.mistakes.append(f"the run had {len(run.ranks)} rank: run the exercise on 2 or more ranks, as given")
         return report
     orders_fine = _check_epochs(run, report)
+    if orders_fine:
+        _check_gradients_averaged(run, _epoch_orders(run), report)
     path = _check_checkpoint_writers(run, report)
     if path is not None:
         state = _check_checkpoint_contents(path, report)
@@ -96,6 +100,23 @@ def _check_epochs(run: RunResult, report: ExerciseReport) -> bool:
     else:
         report.confirmed.append(f"in every epoch the {world} ranks' shares were disjoint and covered the data set")
     return not repeated and not overlaps
+
+
+def _check_gradients_averaged(run: RunResult, orders: dict[int, list[list[int]]], report: ExerciseReport) -> None:
+    """Every rank all-reduced gradients in every step it recorded (DDP's backward), as torch's flight recorder
+    saw it: training on one rank and recording the others' batches, or no process group at all, does not."""
+    steps = sum(math.ceil(max(len(share) for share in orders[epoch]) / BATCH_SIZE) for epoch in orders)
+    counts = {r.rank: sum(1 for c in r.collectives if c["op"] in ("allreduce", "all_reduce", "allreduce_coalesced"))
+              for r in run.ranks}
+    short = {rank: count for rank, count in counts.items() if count < steps}
+    if short:
+        report.mistakes.append(
+            f"not every rank averaged its gradients with the others in each of the {steps} steps: torch's flight "
+            "recorder saw " + ", ".join(f"{count} all-reduce(s) on rank {rank}" for rank, count in short.items())
+            + ". Keep the DDP wrap, and train on every rank")
+    else:
+        report.confirmed.append(f"every rank all-reduced its gradients in each of the {steps} steps (DDP's "
+                                "backward, seen by torch's flight recorder)")
 
 
 def _share_problem(shares: list[list[int]], world: int) -> str | None:

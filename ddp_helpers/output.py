@@ -106,10 +106,13 @@ class RankOutputStreamer:
         other rank's as its `one_line[rank]` (its error and how it relates to the root's)."""
         held, self._held = self._held, {}
         for rank, traceback in sorted(held.items(), key=lambda item: item[0] != root):  # the root cause first
-            if root is None or rank == root or rank not in one_line:
+            if root is None or rank == root:
                 self._write(rank, "stderr", traceback.lines)
-            else:
+            elif rank in one_line:
                 self._write(rank, "stderr", [one_line[rank].encode()])
+            else:  # it printed a traceback but was stopped before its error was recorded
+                self._write(rank, "stderr", [_last_error_line(traceback.lines) + (
+                    f"  (after rank {root}'s failure; its traceback is in run.ranks[{rank}].stderr)").encode()])
 
     def _emit(self, rank: int, kind: str, lines: list[bytes]) -> None:
         if kind == "stdout" and lines and rank in self._held:

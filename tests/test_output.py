@@ -114,6 +114,22 @@ def test_a_traceback_waits_for_the_root_cause_and_an_attempt_that_restarted_show
         "[rank 1] ValueError: bad batch"]
 
 
+def test_a_rank_stopped_before_its_error_was_recorded_shows_one_line_after_the_root_cause(tmp_path, capsys):
+    # Rank 0 printed its traceback (its barrier lost rank 1), then torchrun's SIGTERM came before it recorded it.
+    streamer = RankOutputStreamer(RunFolder(tmp_path), world_size=2, color=False)
+    rank_file(tmp_path, 0, "stderr").write_bytes(b'Traceback (most recent call last):\n  File "a.py", line 6, in <module>\n'
+                                                 b"RuntimeError: Connection closed by peer\n")
+    rank_file(tmp_path, 1, "stderr").write_bytes(b'Traceback (most recent call last):\n  File "a.py", line 5, in <module>\n'
+                                                 b"KeyError: 'missing column'\n")
+    streamer.poll()
+    streamer.finish()
+    streamer.show_failures(1, {})  # neither rank's error recorded in time to name it here
+    shown = capsys.readouterr().err
+    assert shown.count("Traceback (most recent call last)") == 1 and shown.index("KeyError") < shown.index("rank 0]"), shown
+    assert "[rank 0] RuntimeError: Connection closed by peer  (after rank 1's failure; its traceback is in " \
+           "run.ranks[0].stderr)" in shown, shown
+
+
 def test_a_traceback_a_rank_printed_and_went_on_from_is_shown_as_printed(tmp_path, capsys):
     streamer = RankOutputStreamer(RunFolder(tmp_path), world_size=1, color=False)
     rank_file(tmp_path, 0, "stderr").write_bytes(b"Traceback (most recent call last):\nKeyError: 'x'\n")

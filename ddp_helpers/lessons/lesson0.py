@@ -48,9 +48,9 @@ def check_mean_exercise(run: RunResult) -> ExerciseReport:
     silent = [r.rank for r in run.ranks if not _handed_in(r.all_reduced, own_number(r.rank), world)]
     if silent:
         report.mistakes.append(
-            f"rank(s) {silent} never handed their own number to dist.all_reduce (the launcher sees what each rank "
-            "hands it): the mean must come from the ranks' own numbers, combined by a collective, not from a "
-            "formula every rank computes alone")
+            f"rank(s) {silent} never handed their own number to a collective (the launcher sees what each rank "
+            "hands one): the mean must come from the ranks' own numbers, combined, not from a formula every rank "
+            "computes alone")
     else:
         report.confirmed.append("each rank handed its own number to dist.all_reduce (seen by the launcher), which "
                                 "gave every rank the sum")

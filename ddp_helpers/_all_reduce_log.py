@@ -32,9 +32,11 @@ def _entry(tensor, args, kwargs) -> dict:
 
 def _capturing(tensor) -> bool:
     """Whether a CUDA graph is being captured (copying to the CPU there would break the capture)."""
+    if not tensor.is_cuda:  # every CPU rank's call: no import on this path
+        return False
     import torch
 
-    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_current_stream_capturing()
 
 
 def _logged(function):

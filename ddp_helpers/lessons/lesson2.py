@@ -26,6 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..exercises import ExerciseReport
+from ..hang import ALL_REDUCE_OPS
 from ..result import RunResult
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -48,14 +49,15 @@ def check_training_exercise(run: RunResult) -> ExerciseReport:
     if len(run.ranks) < 2:
         report.mistakes.append(f"the run had {len(run.ranks)} rank: run the exercise on 2 or more ranks, as given")
         return report
-    orders_fine = _check_epochs(run, report)
+    orders = _epoch_orders(run)
+    orders_fine = _check_epochs(orders, len(run.ranks), report)
     if orders_fine:
-        _check_gradients_averaged(run, _epoch_orders(run), report)
+        _check_gradients_averaged(run, orders, report)
     path = _check_checkpoint_writers(run, report)
     if path is not None:
         state = _check_checkpoint_contents(path, report)
         if state is not None and orders_fine:
-            _check_trained_weights(state, _epoch_orders(run), report)
+            _check_trained_weights(state, orders, report)
     return report
 
 
@@ -68,9 +70,8 @@ def _epoch_orders(run: RunResult) -> dict[int, list[list[int]]] | None:
     return {e: [list(r.facts[f"epoch{e}_indices"]) for r in run.ranks] for e in epochs}
 
 
-def _check_epochs(run: RunResult, report: ExerciseReport) -> bool:
+def _check_epochs(orders: dict[int, list[list[int]]] | None, world: int, report: ExerciseReport) -> bool:
     """Whether the recorded orders are fine (new in every epoch, shared between the ranks)."""
-    orders = _epoch_orders(run)
     if orders is None or len(orders) < 2:
         report.mistakes.append("record(f'epoch{epoch}_indices', ...) should run on every rank for every epoch "
                                "(keep those lines)")
@@ -86,7 +87,6 @@ def _check_epochs(run: RunResult, report: ExerciseReport) -> bool:
     else:
         report.confirmed.append("every epoch went through the data in a new order")
 
-    world = len(run.ranks)
     overlaps = []
     for epoch in epochs:
         problem = _share_problem(orders[epoch], world)
@@ -106,7 +106,7 @@ def _check_gradients_averaged(run: RunResult, orders: dict[int, list[list[int]]]
     """Every rank all-reduced gradients in every step it recorded (DDP's backward), as torch's flight recorder
     saw it: training on one rank and recording the others' batches, or no process group at all, does not."""
     steps = sum(math.ceil(max(len(share) for share in orders[epoch]) / BATCH_SIZE) for epoch in orders)
-    counts = {r.rank: sum(1 for c in r.collectives if c["op"] in ("allreduce", "all_reduce", "allreduce_coalesced"))
+    counts = {r.rank: sum(1 for c in r.collectives if c["op"] in ALL_REDUCE_OPS)
               for r in run.ranks}
     short = {rank: count for rank, count in counts.items() if count < steps}
     if short:

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from ..exercises import ExerciseReport
+from ..hang import ALL_REDUCE_OPS
 from ..result import RunResult
 
 _STEP_DONE = re.compile(r"^step (\d+) done", flags=re.M)
@@ -56,12 +57,11 @@ def check_resume_exercise(run: RunResult) -> ExerciseReport:
 # how many it made): the reference is the exercise as given, bitwise the same every time, so a kernel runs it
 # once per world size and backend.
 _REFERENCES: dict[tuple[int, str], tuple[list[int], dict, set[str], int]] = {}
-_ALL_REDUCES = ("allreduce", "all_reduce", "allreduce_coalesced")
 
 
 def _all_reduces(collectives, shapes: set[str] | None = None) -> list[str]:
     """The shapes of the all-reduces among `collectives` (those of `shapes` only, when given), in order."""
-    found = [str(entry["shapes"]) for entry in collectives if entry["op"] in _ALL_REDUCES]
+    found = [str(entry["shapes"]) for entry in collectives if entry["op"] in ALL_REDUCE_OPS]
     return found if shapes is None else [shape for shape in found if shape in shapes]
 
 

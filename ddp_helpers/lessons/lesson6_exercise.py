@@ -27,7 +27,7 @@ import math
 import os
 
 from ..exercises import ExerciseReport
-from ..hang import torch_dtype_name
+from ..hang import ALL_REDUCE_OPS, torch_dtype_name
 from ..result import RunResult
 
 STEPS = 30
@@ -95,7 +95,7 @@ def exercise_reference(world_size: int) -> list:
 def all_reduce_bytes(collectives: list[dict]) -> list[int]:
     """The bytes of each all-reduce a rank called, in order, from its flight recorder's entries."""
     return [_tensor_bytes(entry["shapes"], entry["dtypes"]) for entry in collectives
-            if entry["op"] in ("allreduce", "all_reduce", "allreduce_coalesced")]
+            if entry["op"] in ALL_REDUCE_OPS]
 
 
 def _tensor_bytes(shapes, dtypes) -> int:
@@ -110,7 +110,7 @@ def exchanged_bytes(collectives: list[dict], sends: list[dict] = ()) -> list[int
     point-to-point sends."""
     sizes, started = [], False
     for entry in collectives:
-        started = started or entry["op"] in ("allreduce", "all_reduce", "allreduce_coalesced")
+        started = started or entry["op"] in ALL_REDUCE_OPS
         if started and "barrier" not in entry["op"]:
             sizes.append(_tensor_bytes(entry["shapes"], entry["dtypes"]))
     return sizes + [_tensor_bytes([m["shape"]], [m["dtype"]]) for m in sends if m["op"].endswith("send")]

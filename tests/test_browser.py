@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from ddp_helpers.processes import kill_marked, marked_processes
+from ddp_helpers.zygote import SUPERVISOR_STOP_S
 from support import course_notebooks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,9 +144,21 @@ class JupyterLab:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self.log.close()
-        survivors = marked_processes(self.marker, MARKER_ENV)
+        # A shut-down kernel's warm process first lets each run's supervisor stop its run (SUPERVISOR_STOP_S):
+        # what is still winding down then is not left behind. What outlives that is, named by its command line.
+        deadline = time.monotonic() + SUPERVISOR_STOP_S + 5
+        while (survivors := marked_processes(self.marker, MARKER_ENV)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        described = [f"{pid}: {_command_line(pid)}" for pid in survivors]
         kill_marked(self.marker, MARKER_ENV)
-        return survivors
+        return described
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "(gone)"
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ import traceback
 import types
 
 from . import _all_reduce_log, _hang_probe, _point_to_point
-from .processes import die_with_parent
+from .processes import die_with_parent, start_time
 from .run_folder import AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, IMPORT_DIR_ENV, RankErrorRecord, RankIdentity, RunFolder
 
 _BUFFERED_FILE_TYPES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
@@ -100,8 +100,40 @@ def _print_user_traceback(error: BaseException, script: str) -> str:
     shown = traceback.TracebackException(type(error), error, tb or error.__traceback__)
     _drop_wrapper_frames(shown, seen=set())
     text = "".join(shown.format())
-    sys.stderr.write(text)
+    hook = _scripts_own_excepthook()
+    if hook is None:
+        sys.stderr.write(text)
+        return text
+    # The script installed its own hook (a crash reporter): as under plain Python, it runs instead of the
+    # default printing; a hook that fails is reported as Python reports it, then the traceback is printed.
+    try:
+        hook(type(error), error, _without_wrapper_frames(tb or error.__traceback__))
+    except BaseException as hook_error:  # noqa: BLE001 - as Python's own "Error in sys.excepthook"
+        sys.stderr.write("Error in sys.excepthook:\n" + "".join(traceback.format_exception(hook_error))
+                         + "\nOriginal exception was:\n" + text)
     return text
+
+
+def _scripts_own_excepthook():
+    """The sys.excepthook the script installed, or None (Python's own). torch's `init_process_group` wraps
+    the hook it finds in one that prefixes each line with "[rankN]: " (`distributed_c10d.py`,
+    `_distributed_excepthook`): the launcher labels each rank's lines itself, so the wrapped hook is what counts."""
+    hook = sys.excepthook
+    if getattr(hook, "__name__", "") == "_distributed_excepthook" and "old_hook" in hook.__code__.co_freevars:
+        hook = hook.__closure__[hook.__code__.co_freevars.index("old_hook")].cell_contents
+    return None if hook is sys.__excepthook__ else hook
+
+
+def _without_wrapper_frames(tb):
+    """The traceback without the frames of our wrappers around torch functions (relinked in place)."""
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in _WRAPPER_FILES:
+        tb = tb.tb_next
+    link = tb
+    while link is not None:
+        while link.tb_next is not None and os.path.abspath(link.tb_next.tb_frame.f_code.co_filename) in _WRAPPER_FILES:
+            link.tb_next = link.tb_next.tb_next
+        link = link.tb_next
+    return tb
 
 
 _WRAPPER_FILES = {os.path.abspath(module.__file__) for module in (_all_reduce_log, _point_to_point)} | {
@@ -290,7 +322,7 @@ def _finish_like_the_interpreter() -> None:
 
 
 class _KilledAfterPrinting:
-    """sys.stdout of the rank a demo kills (`kill_rank`, `kill_after`): the rank SIGKILLs itself at the end
+    """sys.stdout and sys.stderr of the rank a demo kills (`kill_rank`, `kill_after`): the rank SIGKILLs itself at the end
     of the line holding the text, as if the out-of-memory killer struck right then, so it does nothing
     more (see `local_engine.RankKiller`)."""
 
@@ -331,10 +363,13 @@ def _join_run_folder(folder: RunFolder, rank: int):
     folder.clear_error(rank)  # an earlier attempt's, before a restart
     request = folder.read_own_json(folder.kill_request)
     if request and request.get("rank") == rank and restart == 0:
+        # Both text streams (logging writes to stderr); what bypasses them (sys.stdout.buffer, a subprocess) the
+        # launcher sees in the output files a moment later (local_engine.RankKiller).
         sys.stdout = _KilledAfterPrinting(sys.stdout, request["text"])
+        sys.stderr = _KilledAfterPrinting(sys.stderr, request["text"])
     stack_file = open(folder.stack_file(rank), "w")
     if os.environ.get(_hang_probe.OFF_ENV) != "1":
-        _hang_probe.serve(folder, rank)
+        _hang_probe.serve(folder, rank, stack_file)
     return stack_file
 
 
@@ -350,6 +385,7 @@ def main() -> None:
     folder = RunFolder.from_environment()
     if folder is not None:
         _open_stack_file = _join_run_folder(folder, rank)
+        os.register_at_fork(after_in_child=lambda: folder.record_forked_child(os.getpid(), start_time(os.getpid())))
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, file=_open_stack_file or sys.stderr, all_threads=True)
     observer = WriteObserver(folder) if folder is not None else None

@@ -15,6 +15,7 @@ The raw dump is kept too, as `flight_recorder/rankN`: the layout torch's analyse
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import sys
@@ -27,7 +28,7 @@ KEEP_COLLECTIVES = 8  # the last few per rank: enough to see where ranks part wa
 OFF_ENV = "DDP_LESSONS_HANG_PROBE_OFF"  # "1": no probe thread (benchmarks/hang_report_cost.py compares)
 
 
-def serve(folder: RunFolder, rank: int) -> None:
+def serve(folder: RunFolder, rank: int, stack_file) -> None:
     request = folder.hang_request(rank)
     request.unlink(missing_ok=True)  # an earlier attempt's, before a restart
     os.mkfifo(request, 0o600)
@@ -35,14 +36,19 @@ def serve(folder: RunFolder, rank: int) -> None:
     # descriptors whatever the thread is doing: an open() blocked in a thread reserves a descriptor
     # number unseen, and the script's first file would get another number from one run to the next.
     pipe = os.open(request, os.O_RDWR | os.O_CLOEXEC)
-    threading.Thread(target=_answer_requests, args=(folder, rank, pipe), name="ddp_helpers-hang-probe",
+    threading.Thread(target=_answer_requests, args=(folder, rank, pipe, stack_file), name="ddp_helpers-hang-probe",
                      daemon=True).start()
 
 
-def _answer_requests(folder: RunFolder, rank: int, pipe: int) -> None:
+def _answer_requests(folder: RunFolder, rank: int, pipe: int, stack_file) -> None:
     while True:
         try:
             os.read(pipe, 64)  # blocks until the launcher writes
+            # Every thread's stack first, from this thread: a signal (SIGUSR1) is the script's to own, and
+            # a handler of its own (a preemption checkpoint) would run instead of the dump. While this
+            # thread holds the interpreter lock, no other thread's frames change under the dump.
+            faulthandler.dump_traceback(file=stack_file, all_threads=True)
+            stack_file.flush()
             folder.write_hang_answer(rank, _what_this_rank_waits_in(folder, rank))
         except Exception as error:  # noqa: BLE001 - the report is a courtesy: it must never end the rank
             print(f"[ddp_helpers] the hang report of rank {rank} failed: {error!r}", file=sys.stderr)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .config import runs_root
 from .errors import LaunchError
+from .private_folders import private_folder
 from .run_folder import write_atomically
 
 _VALID_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
@@ -94,5 +95,6 @@ def write_cell_script(source: str, script: Path, *, origin: str, name: str) -> P
     # cell as JupyterLab numbers it, in tracebacks, stack dumps and checkers' hints alike.
     header = (f"# Generated from {origin}, %%torchrun cell {name!r} - edit the notebook, not this file. "
               f"Run it yourself: torchrun --nproc-per-node 2 {script.name}\n")
+    private_folder(script.parent)  # a folder another user can write in would let them swap the script
     write_atomically(script, (header + source).encode())
     return script

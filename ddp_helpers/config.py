@@ -52,7 +52,8 @@ def runs_root() -> Path:
     """Where generated scripts and run folders go: $DDP_HELPERS_RUNS if set, else `runs/` in the project
     (or in the current folder when ddp_helpers is installed elsewhere)."""
     if os.environ.get("DDP_HELPERS_RUNS"):
-        return Path(os.environ["DDP_HELPERS_RUNS"]).expanduser().resolve()
+        # Not resolved: a symbolic link placed there is refused by the launch (`private_folders`), not followed.
+        return Path(os.path.abspath(Path(os.environ["DDP_HELPERS_RUNS"]).expanduser()))
     project = Path(__file__).resolve().parent.parent
     if (project / "pyproject.toml").is_file():
         return project / "runs"
@@ -351,7 +352,7 @@ def _checked_request(script, *, timeout_s, run_dir, cwd, extra_env, script_args,
         if not working_dir.is_dir():
             raise LaunchError(f"cwd {working_dir} is not a folder. Example: cwd='.' for the notebook's folder.")
     return LaunchRequest(
-        script=script_path, timeout_s=timeout_s, run_dir=Path(run_dir).expanduser().resolve() if run_dir else None,
+        script=script_path, timeout_s=timeout_s, run_dir=Path(os.path.abspath(Path(run_dir).expanduser())) if run_dir else None,
         cwd=working_dir, extra_env=env, script_args=tuple(str(a) for a in script_args), stream=stream,
         max_restarts=max_restarts, nproc=nproc, backend=backend, local_options=local_options)
 

@@ -69,9 +69,9 @@ def run_notebook(notebook: Path) -> int:
 
     from .cells import notebook_key
     from .config import runs_root
+    from .private_folders import private_folder
 
-    plots = runs_root() / notebook_key(notebook.resolve()) / "plots"
-    plots.mkdir(parents=True, exist_ok=True)
+    plots = private_folder(runs_root() / notebook_key(notebook.resolve()) / "plots")
     for old in plots.glob("*.png"):
         old.unlink()
     shell = InteractiveShell.instance()

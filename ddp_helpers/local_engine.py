@@ -170,12 +170,14 @@ class LocalEngine(Engine):
             stop_process_group(self.process, grace_s=SHUTDOWN_GRACE_S + _SUPERVISOR_EXTRA_S)
 
     def _sweep(self) -> None:
-        kill_marked(self.run_id, RUN_ID_ENV)
+        kill_marked(self.run_id, RUN_ID_ENV, recorded=self.folder.read_forked_children())
         kill_process_groups(self.folder.rank_pids(self.config.world_size))
         if self._log is not None:
             self._log.close()
 
     def ending(self) -> Ending:
+        if self._killer is not None:
+            self._killer.say_if_never_killed()
         process = self.process
         returncode = process.returncode if process is not None else None
         if isinstance(process, WarmProcess):
@@ -196,11 +198,13 @@ class RankKiller:
 
     def __init__(self, config: LaunchConfig, folder: RunFolder):
         self._rank, self._text, self._folder = config.kill_rank, config.kill_after, folder
-        self._printed = TextInFile(folder.output(config.kill_rank, "stdout"), config.kill_after)
+        # Both streams, whatever wrote to them: print, logging (stderr), sys.stdout.buffer, a subprocess.
+        self._printed = [TextInFile(folder.output(config.kill_rank, stream), config.kill_after)
+                         for stream in ("stdout", "stderr")]
         self.done = False
 
     def poll(self) -> None:
-        if self.done or not self._printed.seen():
+        if self.done or not any([watch.seen() for watch in self._printed]):
             return
         identity = self._folder.read_identity(self._rank)
         if identity is not None and identity.restart == 0:
@@ -212,10 +216,19 @@ class RankKiller:
                 pass
         self.done = True
 
+    def say_if_never_killed(self) -> None:
+        """At the end of the run: a --kill-after whose text never came killed nobody, and the run's success
+        would otherwise read as a restart that worked."""
+        self.poll()
+        if not self.done:
+            print(f"[ddp_helpers] rank {self._rank} never printed {self._text!r} (on stdout or stderr), so no rank was "
+                  "killed (--kill-after).", file=sys.stderr, flush=True)
+
 
 def dump_stacks_of_live_ranks(config: LaunchConfig, folder: RunFolder, streamer: RankOutputStreamer) -> None:
-    """Ask every live rank what it waits in, then for its stack (SIGUSR1: faulthandler writes rankN.stack),
-    and wait until each asked rank's dump is written (it stops growing), at most STACK_DUMP_WAIT_S."""
+    """Ask every live rank for its stacks (rankN.stack) and what it waits in (rankN.hang.json), which a thread
+    of the rank writes; a rank that wrote no stack by HANG_REPORT_WAIT_S gets SIGUSR1 (faulthandler's dump),
+    and the wait goes on until each such dump is written (it stops growing), at most STACK_DUMP_WAIT_S."""
     print(
         f"[ddp_helpers] no result after {config.timeout_s:g} s: asking every live rank for its stack, "
         "then stopping the run.",
@@ -224,8 +237,8 @@ def dump_stacks_of_live_ranks(config: LaunchConfig, folder: RunFolder, streamer:
     )
     live = [rank for rank in range(config.world_size)
             if (pid := folder.rank_pid(rank)) is not None and not process_is_dead(pid)]
-    # First what each rank waits in (a thread of the rank answers), then the stacks: faulthandler reads
-    # other threads' frames unlocked, so the rank's answering thread must be idle again when it dumps.
+    # A thread of each rank writes its stacks, then what it waits in (`_hang_probe`). SIGUSR1 (faulthandler)
+    # only for a rank whose thread did not answer: the signal is the script's to own.
     reporting = hang.ask_ranks(folder, live)
     until = time.monotonic() + HANG_REPORT_WAIT_S
     while reporting and time.monotonic() < until:
@@ -235,7 +248,7 @@ def dump_stacks_of_live_ranks(config: LaunchConfig, folder: RunFolder, streamer:
             time.sleep(_WAIT_STEP_S)  # the thread is back, blocked on its pipe
             break
     asked = []
-    for rank in live:
+    for rank in (rank for rank in live if not folder.hang_answered(rank) and _size(folder.stack_file(rank)) == 0):
         try:
             os.kill(folder.rank_pid(rank), signal.SIGUSR1)
             asked.append(rank)

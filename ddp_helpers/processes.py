@@ -82,9 +82,22 @@ def marked_processes(run_id: str, marker_env: str) -> list[int]:
     return found
 
 
-def kill_marked(run_id: str, marker_env: str, wait_s: float = 5.0) -> list[int]:
-    """SIGKILL every process of the run and wait until they are gone. Returns the PIDs killed."""
+def start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot): with the pid, it names one process, never a later one
+    that reuses the pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(") ", 1)[-1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def kill_marked(run_id: str, marker_env: str, wait_s: float = 5.0,
+                recorded: list[tuple[int, int]] = ()) -> list[int]:
+    """SIGKILL every process of the run (marked, or `recorded` as (pid, start time) while it ran) and wait
+    until they are gone. Returns the PIDs killed."""
     pids = marked_processes(run_id, marker_env)
+    pids += [pid for pid, started in recorded if pid not in pids and pid != os.getpid() and start_time(pid) == started]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)

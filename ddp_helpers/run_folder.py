@@ -3,6 +3,7 @@
     <run folder>/
         .ddp_helpers-run             marker: ddp_helpers made this folder; holds the current launch's id
         .lock                        held (flock) by the launch in progress; a second launch is refused
+        .forked                      "pid start-time" of every child a rank's Python forked (the sweep's list)
         rank0.stdout, rank0.stderr   what rank 0 printed, capped (the first and last OUTPUT_KEEP_BYTES
                                      of each stream, with a line saying how much was dropped)
         rank0.pid                    who rank 0's latest attempt is (`RankIdentity`: pid, agent, group and
@@ -127,9 +128,26 @@ def _from_json(cls, value: dict | None):
         return None
 
 
+def make_private_dirs(folder: Path) -> None:
+    """`folder` and any missing folder above it, each created with mode 0700 whatever the umask (under
+    umask 002 a plain mkdir lets the group replace what is inside)."""
+    missing = []
+    while not folder.is_dir():
+        missing.append(folder)
+        if folder.parent == folder:
+            break
+        folder = folder.parent
+    for part in reversed(missing):
+        try:
+            part.mkdir(mode=0o700)
+        except FileExistsError:
+            continue  # made meanwhile (another launch): the caller's checks judge it
+        part.chmod(0o700)  # mkdir's mode is masked by the umask (0o777 would leave 0o000): set it exactly
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """Readers see the old file or the whole new one, never half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -214,6 +232,11 @@ class RunFolder:
         return self.path / ".kill_request.json"
 
     @property
+    def forked_children(self) -> Path:
+        """Every process a rank's Python forks, as "pid start-time" lines (`record_forked_child`); hidden."""
+        return self.path / ".forked"
+
+    @property
     def supervisor_spec(self) -> Path:
         """The `SupervisorSpec` the local engine hands its supervisor."""
         return self.path / "supervisor.json"
@@ -257,6 +280,26 @@ class RunFolder:
         self.write_json(self._rank_file(rank, "all_reduced.json"), {"rank": rank, "calls": list(all_reduced)})
         self.write_json(self._rank_file(rank, "collectives.json"), {"rank": rank, "calls": list(collectives)})
 
+    def record_forked_child(self, pid: int, started: int | None) -> None:
+        """Called in each child a rank's Python forks, as it starts: the final sweep finds it here whatever it
+        then does (a new session, another name; a warm rank's /proc environ carries no marker)."""
+        try:
+            fd = os.open(self.forked_children, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return
+        try:
+            os.write(fd, f"{pid} {started}\n".encode())  # one write of a short line: appends never interleave
+        finally:
+            os.close(fd)
+
+    def read_forked_children(self) -> list[tuple[int, int]]:
+        pairs = []
+        for line in self.read_text(self.forked_children).splitlines():
+            pid, _, started = line.partition(" ")
+            if pid.isdigit() and started.isdigit():
+                pairs.append((int(pid), int(started)))
+        return pairs
+
     def write_hang_answer(self, rank: int, answer: dict) -> None:
         self.write_json(self._rank_file(rank, "hang.json"), {"rank": rank, **answer})
 
@@ -290,11 +333,16 @@ class RunFolder:
                 another launch is using the folder right now.
         """
         from .errors import LaunchError  # here: the zygote stub loads this module outside the package
+        from .private_folders import check_private, private_folder, private_top
 
-        folder = cls(Path(path).resolve())
+        # Not resolved: a symbolic link where the runs root should be is refused, not followed.
+        folder = cls(Path(os.path.abspath(path)))
         target = folder.path
+        top = private_top(target)
+        private_folder(target.parent, top)
         if not (target / MARKER_NAME).is_file():  # ours only by our own marker: nothing else is ever emptied
             folder._create_marked(target)
+        check_private(target, top)  # a marked folder someone else made is refused too
         lock_fd = os.open(target / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -320,7 +368,6 @@ class RunFolder:
                 "(each launch empties its run folder, and nothing of yours is ever deleted). Give a new folder "
                 "name, or leave run_dir out to use one under the runs folder."
             )
-        target.parent.mkdir(parents=True, exist_ok=True)
         # Made complete (with its marker) under a temporary name, then renamed: a concurrent claimer sees
         # either no folder or a marked one, never a bare one it would have to refuse.
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".new"))

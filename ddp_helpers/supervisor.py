@@ -16,7 +16,8 @@ included, are read as objects, not parsed from its printed summary), and around 
   children: DataLoader workers, subprocesses); then it writes `outcome.json`.
 
 Several agents (`--nnodes N`, each standing for a machine, all on loopback): this process hosts the
-rendezvous store (a TCPStore on a port the OS picks), forks agents 1 .. N-1 (each dies with this one,
+rendezvous store (a TCPStore on loopback, on a port the OS picks; the rendezvous state in it is signed with
+a key only this process and its forks hold, `store_guard`), forks agents 1 .. N-1 (each dies with this one,
 and writes `agentK.outcome.json`), runs agent 0 itself, and they meet through
 torchrun's c10d rendezvous on that store. Output pipes, death watch and the final sweep cover every
 rank of the world. Each rank learns its agent from DDP_HELPERS_AGENT (and, on GPUs, each agent gets its
@@ -30,10 +31,10 @@ parent-death signal) and cleans up. It lives in its own session, so the notebook
 from __future__ import annotations
 
 import os
+import secrets
 import selectors
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
@@ -46,6 +47,7 @@ from .processes import (
     ARM_PARENT_DEATH_FAILED, arm_parent_death_signal, kill_marked, kill_process_groups, process_is_dead,
 )
 from .run_folder import OUTPUT_KEEP_BYTES, RUN_ID_ENV, RunFolder
+from .store_guard import keep_stores_on_loopback, loopback_store, sign_rendezvous_state
 from .supervisor_spec import SupervisorSpec
 
 
@@ -90,7 +92,7 @@ class OutputPipes:
     """Named pipes the ranks write into, drained by one thread into capped files."""
 
     def __init__(self, folder: RunFolder, world_size: int):
-        folder.pipes_dir.mkdir(exist_ok=True)
+        folder.pipes_dir.mkdir(mode=0o700, exist_ok=True)
         self._selector = selectors.DefaultSelector()
         self._keepers: list[int] = []
         self._outputs: dict[int, CappedOutput] = {}
@@ -172,32 +174,6 @@ class DeathWatcher:
         self.look()
 
 
-def keep_agent_stores_on_loopback() -> None:
-    """torchrun's agent hosts the store its workers share (MASTER_ADDR/MASTER_PORT) with a plain TCPStore,
-    which listens on every interface: on this machine's runs (--local-addr 127.0.0.1) host it on loopback."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-
-    create = DynamicRendezvousHandler._create_tcp_store_server
-
-    def create_on_loopback(self, master_addr, master_port):
-        if master_addr != "127.0.0.1":
-            return create(self, master_addr, master_port)
-        return loopback_store(master_port, multi_tenant=True)
-
-    DynamicRendezvousHandler._create_tcp_store_server = create_on_loopback
-
-
-def loopback_store(port: int = 0, multi_tenant: bool = False):
-    """A TCPStore server on 127.0.0.1 (and a port the OS picks, by default). A TCPStore binds every interface
-    unless it is handed a socket already bound; it takes over (and closes) the descriptor it is given: it
-    gets a copy."""
-    from torch.distributed import TCPStore
-
-    with socket.create_server(("127.0.0.1", port), backlog=128) as listener:
-        return TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                        multi_tenant=multi_tenant, master_listen_fd=os.dup(listener.fileno()))
-
-
 class SupervisedRun:
     """One launch as the supervisor runs it: agent 0 here, the others forked; whatever happens, the sweep."""
 
@@ -259,7 +235,7 @@ class SupervisedRun:
         folder, world_size = self.folder, self.spec.world_size
         if self.others is not None:
             self.others.wait(timeout_s=0, grace_s=self.spec.shutdown_grace_s)  # they stop their ranks, then we sweep
-        kill_marked(self.spec.run_id, RUN_ID_ENV)
+        kill_marked(self.spec.run_id, RUN_ID_ENV, recorded=folder.read_forked_children())
         kill_process_groups(folder.rank_pids(world_size))
         if self.watcher is not None:
             self.watcher.stop()
@@ -287,7 +263,9 @@ def main(argv: list[str]) -> int:
     # The kernel's death reaches us as SIGTERM: we stop the run, then exit.
     if arm_parent_death_signal(signal.SIGTERM, spec.parent_pid) == ARM_PARENT_DEATH_FAILED:
         return 1  # the kernel died before we were ready: nothing was started
-    keep_agent_stores_on_loopback()  # before the other agents are forked: theirs too
+    # Before the other agents are forked: theirs too, and they share the key.
+    keep_stores_on_loopback()
+    sign_rendezvous_state(secrets.token_bytes(32))
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(spec.shutdown_grace_s))
     outcome = SupervisedRun(spec, RunFolder(Path(argv[0]).parent, spec.run_id)).run()
     return 0 if outcome.get("succeeded") else 1

@@ -129,3 +129,10 @@ DAEMON_SOURCE = textwrap.dedent(
         _time.sleep(0.02)
     '''
 )
+
+
+def free_port() -> int:
+    """A port free on loopback right now (for a command that must be given one, as a job script names one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -29,7 +29,7 @@ import pytest
 
 from ddp_helpers.processes import kill_marked, marked_processes
 from ddp_helpers.zygote import SUPERVISOR_STOP_S
-from support import course_notebooks
+from support import course_notebooks, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 # The notebook on screen (other open documents are hidden panels).
@@ -72,12 +72,6 @@ def find_chromium() -> str:
         "Chromium not found. The browser test needs Debian's `chromium` package: "
         "`sudo apt-get install chromium` (or set CHROMIUM=/path/to/chromium). .ci/run installs it."
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class JupyterLab:

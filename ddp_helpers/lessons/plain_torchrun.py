@@ -4,37 +4,56 @@ Lessons 4 and 5 use it to show torchrun's own behaviour (a port collision, c10d'
 machines, a rendezvous that never completes, per-rank log files) and to look at a live job from
 outside (`py-spy dump`). Every process a command starts carries a marker in its environment, so that
 everything is killed when the cell is done with it, the ranks included.
+
+It runs as `python -m ddp_helpers.guarded_torchrun`: the real torchrun, except that every store its agents
+host listens on loopback only and their rendezvous state is signed with a key the job's agents share
+(`store_guard`). Plain torchrun's stores listen on every interface, and its c10d rendezvous unpickles
+whatever the store holds: on a shared machine another user could run code as you through it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+
+from ..guarded_torchrun import KEY_ENV
 
 MARKER_ENV = "DDP_LESSONS_TORCHRUN_COMMAND"
 
 
 @contextlib.contextmanager
 def torchrun_in_background(arguments: list[str], marker: str | None = None,
-                           extra_env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+                           extra_env: dict[str, str] | None = None, job_key: str | None = None) -> Iterator[subprocess.Popen]:
     """Start `torchrun ARGUMENTS`, as in a second terminal (with `extra_env` exported), and yield its
     process (output on `.stdout`, text). When the block ends, the agent and every process it started
-    are killed."""
+    are killed. Agents of one job share `job_key` (hex; default: a new one), which signs their rendezvous."""
     from ..config import inherited_environment
     from ..processes import arm_parent_death_signal
 
     marker = marker or uuid.uuid4().hex
+    # torchrun's per-run folder (its workers' error files) goes here, removed at the end, not /tmp/torchelastic_*.
+    log_dir = None if any(a.startswith("--log-dir") or a.startswith("--log_dir") for a in arguments) else \
+        tempfile.mkdtemp(prefix="torchrun-logs-")
+    if log_dir:
+        arguments = ["--log-dir", log_dir, *arguments]
     env = inherited_environment()
+    package_parent = str(Path(__file__).resolve().parents[2])  # ddp_helpers imports as it does in the kernel
     env.update({MARKER_ENV: marker,  # found by _stop's sweep, in every process started
-                "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", **(extra_env or {})})
-    process = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *arguments], env=env,
+                "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", **(extra_env or {}),
+                KEY_ENV: job_key or new_job_key(),
+                "PYTHONPATH": os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)})
+    process = subprocess.Popen([sys.executable, "-m", "ddp_helpers.guarded_torchrun", *arguments], env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True,
                                # A killed kernel ends the job too: torchrun stops its workers on SIGTERM.
@@ -48,6 +67,13 @@ def torchrun_in_background(arguments: list[str], marker: str | None = None,
             process.wait()
         else:
             process.communicate()
+        if log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def new_job_key() -> str:
+    """The key one job's agents sign their rendezvous state with (`store_guard`)."""
+    return secrets.token_hex(32)
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -66,13 +92,13 @@ def run_torchrun_commands(commands: list[list[str]], start_gap_s: float = 0.0, t
     """Run `torchrun ARGUMENTS` for each entry of `commands` at once, as terminals would, the next one
     `start_gap_s` after the previous: [(exit code, None if it had to be stopped; its output)].
     Everything they started is killed at the end."""
-    marker = uuid.uuid4().hex
+    marker, job_key = uuid.uuid4().hex, new_job_key()
     with contextlib.ExitStack() as stack:
         processes = []
         for number, arguments in enumerate(commands):
             if number:
                 time.sleep(start_gap_s)
-            processes.append(stack.enter_context(torchrun_in_background(arguments, marker, extra_env)))
+            processes.append(stack.enter_context(torchrun_in_background(arguments, marker, extra_env, job_key)))
         deadline = time.monotonic() + timeout_s
         return [_result_by(process, deadline) for process in processes]
 
@@ -83,9 +109,9 @@ def run_torchrun_after(first: list[str], second: list[str], when_first_prints: s
     `when_first_prints` (or has ended): as someone watching the first terminal would start the second.
     [(exit code, None if it had to be stopped; output)] of each; everything they started is killed at
     the end."""
-    deadline = time.monotonic() + timeout_s
+    deadline, job_key = time.monotonic() + timeout_s, new_job_key()
     # Each its own marker: the second one's end must not kill the first.
-    with torchrun_in_background(first, extra_env=extra_env) as first_process:
+    with torchrun_in_background(first, extra_env=extra_env, job_key=job_key) as first_process:
         lines = []
         # The first one's output, line by line, in a thread: a line that never comes must not block the deadline.
         reader = threading.Thread(target=lambda: lines.extend(first_process.stdout), daemon=True)
@@ -94,7 +120,7 @@ def run_torchrun_after(first: list[str], second: list[str], when_first_prints: s
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        with torchrun_in_background(second, extra_env=extra_env) as second_process:
+        with torchrun_in_background(second, extra_env=extra_env, job_key=job_key) as second_process:
             second_result = _result_by(second_process, deadline)
         reader.join(max(0.1, deadline - time.monotonic()))
         if reader.is_alive():

@@ -1,0 +1,36 @@
+"""`python -m ddp_helpers.guarded_torchrun ARGUMENTS`: the real `torchrun ARGUMENTS`, with two guards that
+plain torchrun lacks (`store_guard`): every store its agent hosts listens on loopback only, and its c10d
+rendezvous state is signed with the key in $DDP_LESSONS_RENDEZVOUS_KEY (hex; the agents of one job share it;
+it is removed from the environment before any worker starts). Without `--local-addr`, the agent names itself
+127.0.0.1, so that its workers find the store it hosts on loopback.
+
+Lessons 4 and 5 run torchrun's own behaviour through it (`lessons/plain_torchrun.py`): on a shared machine, a
+demo must not open a door that another user could walk through.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+KEY_ENV = "DDP_LESSONS_RENDEZVOUS_KEY"
+
+
+def main(arguments: list[str]) -> None:
+    key = os.environ.pop(KEY_ENV, "")
+    if not key:
+        sys.exit(f"{KEY_ENV} is not set: it holds the key (hex) that signs this job's rendezvous state.")
+    from .store_guard import keep_stores_on_loopback, sign_rendezvous_state
+
+    keep_stores_on_loopback()
+    sign_rendezvous_state(bytes.fromhex(key))
+    if not any(argument == "--local-addr" or argument.startswith("--local-addr=") for argument in arguments):
+        arguments = ["--local-addr", "127.0.0.1", *arguments]
+    from torch.distributed.run import main as torchrun
+
+    sys.argv = ["torchrun", *arguments]
+    torchrun(arguments)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

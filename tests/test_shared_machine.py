@@ -1,0 +1,332 @@
+"""A shared machine (a workshop's JupyterHub, a cluster's login node): another Unix user must not be able to
+run code as the learner, or swap what the learner's ranks run. The second user is made here (the tests run as
+root; elsewhere these tests are skipped) and acts through `setpriv`."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ddp_helpers.lessons.plain_torchrun import run_torchrun_commands, torchrun_in_background, worker_pids
+
+from support import OWN_SOCKETS_SOURCE, free_port
+
+pytestmark = pytest.mark.xdist_group("shared_machine")
+OTHER_USER = "ddp-lessons-other"
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making a second Unix user needs root")
+
+
+@pytest.fixture(scope="module")
+def other_user() -> pwd.struct_passwd:
+    """A second Unix user of this machine, with no home and no login."""
+    try:
+        return pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER],
+                       check=True, capture_output=True)
+        return pwd.getpwnam(OTHER_USER)
+
+
+@pytest.fixture
+def shared_folder():
+    """A folder every user can read and nobody but its owner (this test) can write."""
+    folder = Path(tempfile.mkdtemp(prefix="ddp-lessons-shared-"))
+    folder.chmod(0o755)
+    yield folder
+    subprocess.run(["rm", "-rf", str(folder)], check=False)
+
+
+def as_user(user: pwd.struct_passwd, command: list[str], extra_env: dict[str, str] | None = None,
+            **options) -> subprocess.Popen:
+    return subprocess.Popen(["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", *command],
+                            env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", **(extra_env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **options)
+
+
+# The other user's side: find a torchrun agent's rendezvous endpoint on its command line (ps shows it to
+# everyone), connect, list the store's keys and overwrite the rendezvous state with a pickle that runs a
+# command when unpickled.
+ATTACKER = textwrap.dedent(
+    '''
+    import base64, os, pickle, sys, time
+    from datetime import timedelta
+    import torch.distributed as dist
+
+    proof = sys.argv[1]
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"id > {proof}",))
+
+    def endpoints():
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\\0")
+            except OSError:
+                continue
+            if "--rdzv-endpoint" in argv:
+                host, port = argv[argv.index("--rdzv-endpoint") + 1].rsplit(":", 1)
+                yield host, int(port)
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for host, port in set(endpoints()):
+            try:
+                store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=2))
+                keys = [key for key in store.list_keys() if key.startswith("torch.rendezvous.")]
+            except Exception:
+                continue
+            for key in keys:
+                store.set(key, base64.b64encode(pickle.dumps(Payload())).decode())
+                print("wrote", key, flush=True)
+                sys.exit(0)
+        time.sleep(0.05)
+    print("found no rendezvous store", flush=True)
+    '''
+)
+
+
+@needs_root
+def test_another_user_cannot_run_code_through_a_demos_rendezvous_store(other_user, shared_folder):
+    """Lesson 5's lone agent waiting out join_timeout, as the issue's attacker found it: the pickle the other
+    user writes into the store is refused unread, and the agent says why."""
+    attacker, worker, proof = shared_folder / "attacker.py", shared_folder / "worker.py", shared_folder / "proof"
+    attacker.write_text(ATTACKER)
+    worker.write_text("print('a worker started')\n")
+    for path in (attacker, worker):
+        path.chmod(0o644)
+    attack = as_user(other_user, [sys.executable, str(attacker), str(proof)])
+    try:
+        [(code, output)] = run_torchrun_commands(
+            [["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+              "--rdzv-id", "job-42", "--rdzv-conf", "join_timeout=20", str(worker)]], timeout_s=60)
+    finally:
+        attack_output = attack.communicate(timeout=70)[0]
+    assert "wrote torch.rendezvous." in attack_output, f"the attack never reached the store: {attack_output}"
+    assert not proof.exists(), f"the other user's pickle ran as the learner: {proof.read_text()}"
+    assert code not in (0, None) and "does not carry this job's signature" in output, output[-2000:]
+
+
+HOLDS_A_GROUP = textwrap.dedent(
+    '''
+    import time
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    print("in the group", flush=True)
+    time.sleep(60)
+    '''
+)
+
+
+@pytest.mark.parametrize("rendezvous", ["standalone", "static"])
+def test_every_port_a_demos_torchrun_opens_is_on_loopback(rendezvous, tmp_path):
+    """The agent's stores (rendezvous, and the one it shares with its workers) and the workers' sockets."""
+    namespace: dict = {}
+    exec(OWN_SOCKETS_SOURCE, namespace)
+    script = tmp_path / "group.py"
+    script.write_text(HOLDS_A_GROUP)
+    options = {"standalone": ["--standalone"],
+               "static": ["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]}
+    with torchrun_in_background([*options[rendezvous], "--nproc-per-node", "2", str(script)]) as agent:
+        workers = worker_pids(agent, ranks=2)
+        seen = ""
+        for line in agent.stdout:  # both workers write to one pipe: their lines can merge
+            seen += line
+            if seen.count("in the group") == 2:
+                break
+        assert seen.count("in the group") == 2, f"the workers did not form their group: {seen}"
+        sockets = [(pid, found) for pid in (agent.pid, *workers.values()) for found in namespace["own_tcp_sockets"](pid)]
+    listening = [(pid, found["local"]) for pid, found in sockets if found["state"] == "0A"]
+    assert listening, "the agent hosts a store: a listening socket was expected"
+    beyond_loopback = [(pid, local) for pid, local in listening if not is_loopback_hex(local)]
+    assert beyond_loopback == [], f"listening beyond loopback: {beyond_loopback}"
+
+
+def is_loopback_hex(local: str) -> bool:
+    """127.0.0.0/8 or ::1 (or IPv4-mapped 127.x), as /proc/net/tcp* spell them (little-endian words)."""
+    return (len(local) == 8 and local.endswith("7F")) or local == "00000000000000000000000001000000" \
+        or (len(local) == 32 and local.startswith("0000000000000000FFFF0000") and local.endswith("7F"))
+
+
+CELL = "%%torchrun --nproc 2\nimport os\nprint('rank', os.environ['RANK'])\n"
+
+
+def run_cell(ipython, cell: str = CELL):
+    """Run a %%torchrun cell as a learner would; returns IPython's result (its error, if any)."""
+    return ipython.run_cell(cell)
+
+
+@needs_root
+def test_a_runs_root_another_user_made_on_shared_scratch_is_refused(ipython, other_user, monkeypatch, capsys):
+    """Shared scratch (sticky, as /tmp): the other user made the runs root before the learner, and could swap
+    a cell's script there. The launch is refused, says what to set, and writes nothing there."""
+    scratch = Path(tempfile.mkdtemp(prefix="ddp-lessons-scratch-"))
+    try:
+        scratch.chmod(0o1777)
+        theirs = scratch / "runs"
+        theirs.mkdir(mode=0o777)
+        os.chown(theirs, other_user.pw_uid, other_user.pw_gid)
+        monkeypatch.setenv("DDP_HELPERS_RUNS", str(theirs))
+        result = run_cell(ipython)
+        error = str(result.error_in_exec)
+        assert "belongs to ddp-lessons-other" in error and "DDP_HELPERS_RUNS" in error, error
+        assert list(theirs.iterdir()) == []
+    finally:
+        subprocess.run(["rm", "-rf", str(scratch)], check=False)
+
+
+@needs_root
+def test_a_symbolic_link_at_the_runs_root_is_not_followed(ipython, other_user, monkeypatch):
+    scratch = Path(tempfile.mkdtemp(prefix="ddp-lessons-scratch-"))
+    try:
+        scratch.chmod(0o1777)
+        target = scratch / "their-folder"
+        target.mkdir(mode=0o777)
+        link = scratch / "runs"
+        link.symlink_to(target)
+        os.lchown(link, other_user.pw_uid, other_user.pw_gid)
+        monkeypatch.setenv("DDP_HELPERS_RUNS", str(link))
+        error = str(run_cell(ipython).error_in_exec)
+        assert "symbolic link" in error and "DDP_HELPERS_RUNS" in error, error
+        assert list(target.iterdir()) == []
+    finally:
+        subprocess.run(["rm", "-rf", str(scratch)], check=False)
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o1777])
+def test_a_runs_root_others_can_write_is_refused(ipython, tmp_path, monkeypatch, mode):
+    root = tmp_path / "runs"
+    root.mkdir()
+    root.chmod(mode)
+    monkeypatch.setenv("DDP_HELPERS_RUNS", str(root))
+    error = str(run_cell(ipython).error_in_exec)
+    assert "can be written by other users" in error and "DDP_HELPERS_RUNS" in error, error
+    assert list(root.iterdir()) == []
+
+
+def test_a_folder_above_the_runs_root_others_can_write_without_the_sticky_bit_is_refused(ipython, tmp_path,
+                                                                                         monkeypatch):
+    above = tmp_path / "group-scratch"
+    above.mkdir()
+    above.chmod(0o775)
+    monkeypatch.setenv("DDP_HELPERS_RUNS", str(above / "runs"))
+    error = str(run_cell(ipython).error_in_exec)
+    assert f"{above} can be written by other users" in error, error
+    assert not (above / "runs").exists()
+
+
+def test_every_folder_a_launch_makes_is_private_whatever_the_umask(ipython, tmp_path, monkeypatch):
+    """Under umask 002 (a shared group), a group member could replace a cell's script in a folder of mode 775."""
+    root = tmp_path / "runs"
+    monkeypatch.setenv("DDP_HELPERS_RUNS", str(root))
+    old = os.umask(0o002)
+    try:
+        result = run_cell(ipython)
+    finally:
+        os.umask(old)
+    assert result.success, result.error_in_exec
+    folders = [root, *(path for path in root.rglob("*") if path.is_dir())]
+    assert len(folders) >= 4  # the root, the notebook's, its scripts/ and the cell's script folder, its run folder
+    loose = {str(path): oct(path.stat().st_mode & 0o777) for path in folders if path.stat().st_mode & 0o077}
+    assert loose == {}
+
+
+def _readable_by_others(path: Path) -> bool:
+    return all(part.stat().st_mode & 0o005 == 0o005 for part in [path, *path.parents])
+
+
+def python_for_others() -> tuple[str, dict[str, str]]:
+    """A Python the other user can run, with this environment's packages: this one, or (when it lives where
+    others cannot read, as pyenv's under /root) the system's of the same version, pointed at them."""
+    import site
+    import sysconfig
+
+    own = Path(os.path.realpath(sys.executable))
+    if _readable_by_others(own.parent):
+        return sys.executable, {}
+    system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
+    packages = Path(sysconfig.get_paths()["purelib"])
+    if not (system.exists() and _readable_by_others(packages)):
+        pytest.skip("no Python here that another user can run with this environment's packages")
+    return str(system), {"PYTHONPATH": os.pathsep.join([str(packages), *site.getsitepackages()])}
+
+
+@needs_root
+def test_a_read_only_install_says_to_set_the_runs_folder(other_user, shared_folder):
+    """The course installed by an administrator (the learner cannot write its runs/): one clear error."""
+    project = Path(__file__).resolve().parent.parent
+    if not _readable_by_others(project):
+        pytest.skip("the project is not readable by other users here")
+    python, env = python_for_others()
+    program = shared_folder / "cell.py"
+    program.write_text(textwrap.dedent(
+        f'''
+        import sys
+        sys.path.insert(0, {str(project)!r})
+        from IPython.core.interactiveshell import InteractiveShell
+        shell = InteractiveShell.instance()
+        shell.run_line_magic("load_ext", "ddp_helpers")
+        shell.run_cell({CELL!r})
+        '''))
+    program.chmod(0o644)
+    shell = as_user(other_user, [python, str(program)], cwd=shared_folder, extra_env=env)
+    output = shell.communicate(timeout=120)[0]
+    assert "DDP_HELPERS_RUNS" in output and "Traceback" not in output and "PermissionError" not in output, output
+    assert len(output.strip().splitlines()) <= 3, output
+
+
+HIDES_A_CHILD = textwrap.dedent(
+    '''
+    import ctypes, os, time
+    from ddp_helpers import record
+    if os.environ["RANK"] == "0":
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a new session, another name: nothing of the run's marks left on it but what the sweep records
+            os.setsid()
+            ctypes.CDLL(None).prctl(15, b"innocent", 0, 0, 0)  # PR_SET_NAME
+            os.write(write_end, b"x")
+            time.sleep(300)
+            os._exit(0)
+        os.read(read_end, 1)
+        record("hidden", pid)
+    '''
+)
+
+
+@pytest.mark.parametrize("how", ["warm", "cold"])
+def test_a_child_that_leaves_the_session_and_renames_itself_does_not_survive_the_run(how, write_script):
+    from ddp_helpers.processes import process_is_dead
+    from support import run_on_cpu
+
+    run = run_on_cpu(write_script("hides", HIDES_A_CHILD), cold=how == "cold")
+    assert run.ok, run.summary()
+    hidden = run.ranks[0].facts["hidden"]
+    survived = not process_is_dead(hidden)
+    if survived:
+        os.kill(hidden, 9)
+    assert not survived, f"the renamed child {hidden} of a {how} rank outlived the run"
+
+
+def test_a_demos_torchrun_leaves_no_torchelastic_folder(tmp_path, monkeypatch):
+    """torchrun makes a folder per run (its workers' error files) in the temporary folder unless given --log-dir."""
+    import tempfile as tempfile_module
+
+    from ddp_helpers.lessons.plain_torchrun import run_torchrun_command
+
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    monkeypatch.setattr(tempfile_module, "tempdir", None)  # read TMPDIR again
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+    code, output = run_torchrun_command(["--standalone", "--nproc-per-node", "2", str(script)])
+    assert code == 0, output
+    assert list(temporary.iterdir()) == []

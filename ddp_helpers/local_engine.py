@@ -39,7 +39,7 @@ from .processes import kill_marked, kill_process_groups, process_is_dead, run_de
 from .run_folder import IMPORT_DIR_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder
 from .supervisor_spec import SupervisorSpec
 from .text_in_file import TextInFile
-from .warm import WarmProcess, current_umask, warm_zygote, what_happened_to_the_warm_process
+from .warm import WarmProcess, WarmRefused, current_umask, warm_zygote, what_happened_to_the_warm_process
 
 _STUB = str(Path(__file__).resolve().parent / "_zygote_stub.py")
 # Variables that differ from launch to launch: not part of the warm process's environment.
@@ -141,7 +141,11 @@ class LocalEngine(Engine):
                     return WarmProcess.start(zygote.socket_path, request,
                                              (devnull.fileno(), self._log.fileno(), self._log.fileno()))
                 except (OSError, ValueError) as error:  # ValueError: a garbled answer
-                    zygote.note(f"the warm process could not start the run ({error})")
+                    if isinstance(error, WarmRefused) and error.replace:
+                        zygote.note(f"{error}; it is started again for the next launch")
+                        zygote.replace()
+                    else:
+                        zygote.note(f"the warm process could not start the run ({error})")
         supervisor_spec(config, folder, self.run_id, os.getpid(), env).write(folder.supervisor_spec)
         return subprocess.Popen(
             [sys.executable, "-m", "ddp_helpers.supervisor", str(folder.supervisor_spec)],

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .hang import last_printed_error, read_hang_report
-from .result import RankError, RankResult, RunResult, find_root_cause
+from .result import STACK_HEADING, RankError, RankResult, RunResult, find_root_cause
 from .run_folder import RankIdentity, RunFolder
 
 if TYPE_CHECKING:  # for annotations only: config imports nothing of the read-back side
@@ -51,7 +51,7 @@ def _stderr_with_stack(folder: RunFolder, rank: int) -> str:
     stderr = folder.read_text(folder.output(rank, "stderr"))
     stack = folder.read_text(folder.stack_file(rank))
     if stack:
-        stderr += f"[ddp_helpers] where rank {rank} was when the run timed out:\n{stack}"
+        stderr += f"{STACK_HEADING.format(rank=rank)}\n{stack}"
     return stderr
 
 

@@ -32,6 +32,8 @@ class RankError:
     time: float
 
 
+# Above a timed-out rank's stack dump, in its stderr.
+STACK_HEADING = "[ddp_helpers] where rank {rank} was when the run timed out:"
 # A Slurm job cancelled before it ever ran: its job_state starts with this, then " (Slurm's reason)".
 NEVER_LEFT_THE_QUEUE = "PENDING, never started"
 
@@ -242,14 +244,22 @@ class RunResult:
                 "cancelled. Raise --timeout to wait longer, or ask for fewer nodes, GPUs or less time."
             )
         elif self.timed_out:
-            lines.append(
-                f"Timed out after {self.config.timeout_s:.0f} s: the ranks were stopped. "
-                + ("The hang report above says what each rank was waiting in, and the cause where the ranks show "
-                   "it (run.hang); their stacks follow it ('where rank N was'). " if self.hang else
-                   "Where each rank still running was is shown above ('where rank N was'): a rank waiting in a "
-                   "collective that another rank never called is the usual cause. ")
-                + "Raise --timeout if the work is just slow."
-            )
+            stacks = any(STACK_HEADING.format(rank=r.rank) in r.stderr for r in self.ranks)
+            if self.hang and stacks:
+                where = ("The hang report above says what each rank was waiting in, and the cause where the ranks "
+                         "show it (run.hang); their stacks follow it ('where rank N was'). ")
+            elif self.hang:
+                where = "The hang report above says what each rank was waiting in (run.hang); no rank's stack was taken. "
+            elif stacks:
+                where = ("Where each rank still running was is shown above ('where rank N was'): a rank waiting in a "
+                         "collective that another rank never called is the usual cause. ")
+            elif not any(r.agent is not None for r in self.ranks):
+                where = ("No rank had started its script yet, so there is nothing to show of where it was: starting "
+                         "torch and the ranks takes a few seconds. ")
+            else:
+                where = "No rank's stack could be taken. "
+            lines.append(f"Timed out after {self.config.timeout_s:.3g} s: the ranks were stopped. {where}"
+                         "Raise --timeout if the work is just slow.")
         root = self.first_failure
         if root is not None:
             lines.append(f"Rank {root.rank} failed first, the root cause: {_failure_reason(root)}")

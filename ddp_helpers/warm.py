@@ -38,6 +38,14 @@ ANSWER_TIMEOUT_S = 10  # the zygote answers in milliseconds; silence this long m
 STATUS_GRACE_S = 2  # after the supervisor exited, how long the zygote gets to report it
 
 
+class WarmRefused(OSError):
+    """The warm process refused to start a run; `replace`: it could not serve later runs either."""
+
+    def __init__(self, why: str, replace: bool):
+        super().__init__(f"the warm process did not start the run ({why})")
+        self.replace = replace
+
+
 class WarmProcess:
     """A child forked by the zygote, with the part of subprocess.Popen's interface the launcher uses."""
 
@@ -64,7 +72,7 @@ class WarmProcess:
             raise
         if not answer or "pid" not in answer:
             conn.close()
-            raise OSError(f"the warm process did not start the run ({(answer or {}).get('refused', 'no answer')})")
+            raise WarmRefused((answer or {}).get("refused", "no answer"), replace=bool((answer or {}).get("replace")))
         return cls(conn, answer["pid"])
 
     def poll(self) -> int | None:
@@ -171,7 +179,6 @@ class ZygoteHandle:
         self.folder: str | None = None
         self.env: dict[str, str] = {}
         self.fingerprint: dict = {}  # what the warm process wrote when ready: fingerprints, variables it read
-        self._notes_shown: set[str] = set()
         self.started_at = 0.0
 
     def unusable(self) -> bool:
@@ -244,10 +251,16 @@ class ZygoteHandle:
         return None
 
     def note(self, text: str) -> None:
-        if text not in self._notes_shown:
-            self._notes_shown.add(text)
-            # "cold": fresh interpreters that import torch themselves, not forked from the warm process
-            print(f"[ddp_helpers] cold launch, in fresh processes: {text}", file=sys.stderr, flush=True)
+        """Say, in one line, why this launch runs cold: at every launch it does, not only the first."""
+        # "cold": fresh interpreters that import torch themselves, not forked from the warm process
+        print(f"[ddp_helpers] cold launch, in fresh processes: {text}", file=sys.stderr, flush=True)
+
+    def replace(self) -> None:
+        """Stop this warm process and start a new one with the same environment, for the next launches."""
+        with _STARTING:
+            env = self.env
+            self.stop()
+            self.start(env)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

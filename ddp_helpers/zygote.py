@@ -21,7 +21,7 @@ Rules that keep forking safe (each was a hang or a deadlock in the prototype):
 - libraries that read the environment when imported (OpenMP, OpenBLAS, torch's logging, tqdm) saw the
   zygote's: the zygote notes every variable Python code reads while it imports them, and the launcher
   launches cold when a launch's value of one of those (or of the families native code reads) differs
-  (`environment_mismatch`); a forked rank sets torch's thread count from its own OMP_NUM_THREADS,
+  (`environment_mismatch`); a forked rank sets torch's thread count to the one torch chose at import here,
   re-reads TMPDIR (tempfile) and TZ (time.tzset), and takes its client's umask.
 
 Security: the socket lives in a private folder (0700), is itself 0600, and the zygote also checks the
@@ -99,8 +99,28 @@ def _preimport() -> None:
         raise RuntimeError("CUDA was initialised in the zygote: forked ranks could not use it")
 
 
+_torch_threads_at_import = 1  # torch.get_num_threads() once the zygote has imported torch
+
+
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
+
+
+def _stop_blas_threads() -> None:
+    """Stop the thread pool OpenBLAS starts as numpy loads it when OMP_NUM_THREADS or OPENBLAS_NUM_THREADS is
+    2 or more (common on clusters): the zygote must have one thread to fork. OpenBLAS does the same itself
+    before a fork (its pthread_atfork handler, `blas_thread_shutdown_`) and starts the pool again on its next
+    use, so a forked rank gets its full pool, as a fresh process would."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        libraries = {line.split()[-1] for line in maps if "openblas" in line.lower() and line.split()[-1].startswith("/")}
+    for library in sorted(libraries):
+        try:
+            shutdown = ctypes.CDLL(library).blas_thread_shutdown_
+        except (OSError, AttributeError):
+            continue
+        shutdown()
 
 
 def _peer_uid(conn: socket.socket) -> int:
@@ -152,7 +172,9 @@ def _become_child(request: dict, fds: list[int], go: int) -> None:
         _fresh_randomness()
         import torch
 
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or 1)))
+        # What torch chose at import here, from the same OMP_NUM_THREADS (a launch with another value runs cold):
+        # a fresh process's choice, which is not always that value (torch caps it at the cores it finds).
+        torch.set_num_threads(_torch_threads_at_import)
         if request["role"] == "supervisor":
             from . import supervisor
 
@@ -250,8 +272,11 @@ class ZygoteServer:
         try:
             if len(fds) != 3:
                 raise ValueError("expected 3 file descriptors")
+            if _threads() != 1:
+                _stop_blas_threads()
             if _threads() != 1:  # a fork now could inherit a lock held by another thread
-                write_message(conn, {"refused": f"the zygote has {_threads()} threads"})
+                write_message(conn, {"refused": f"the warm process has {_threads()} threads and cannot fork safely",
+                                     "replace": True})
                 conn.close()
                 return
             go_read, go = os.pipe()
@@ -363,7 +388,10 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the loop through the wakeup fd
     zygote = None
     try:
+        global _torch_threads_at_import
         read_at_import = _preimport_noting_environment_reads()
+        _torch_threads_at_import = sys.modules["torch"].get_num_threads()
+        _stop_blas_threads()
         zygote = ZygoteServer(folder)
         with open(os.path.join(folder, "ready"), "w") as ready:
             ready.write(json.dumps({**installed_fingerprint(), "read_at_import": read_at_import}))

@@ -95,3 +95,11 @@ def test_kill_after_text_that_never_comes_says_no_rank_was_killed(write_script, 
     run = run_on_cpu(script, kill_rank=1, kill_after="step 99 done", timeout_s=60)
     assert run.ok, failure_report(run)
     assert "rank 1 never printed 'step 99 done' (on stdout or stderr), so no rank was killed" in capsys.readouterr().err
+
+
+def test_a_timeout_before_any_rank_started_does_not_point_to_stacks(write_script, capsys):
+    run = run_on_cpu(write_script("quick", "print('hello')\n"), timeout_s=1e-9, cold=True)
+    assert run.timed_out, failure_report(run)
+    summary = run.summary()
+    assert "No rank had started its script yet" in summary and "shown above" not in summary, summary
+    assert "where rank" not in capsys.readouterr().err

@@ -25,10 +25,18 @@ def test_the_first_failure_is_the_earliest_exception_not_the_lowest_rank():
 
 
 def test_a_timed_out_run_says_so_and_how_to_read_it():
-    run = make_run([RankResult(0, None, "", ""), RankResult(1, None, "", "")], timed_out=True, returncode=None)
+    stack = "[ddp_helpers] where rank {rank} was when the run timed out:\n  File ..."
+    run = make_run([RankResult(rank, None, "", stack.format(rank=rank)) for rank in (0, 1)], timed_out=True,
+                   returncode=None)
     assert run.first_failure is None
     assert "timed out after 60 s" in str(RunFailed(run))
     assert "Where each rank still running was is shown above" in run.summary()
+    # No stack to point to: the summary does not say one is shown.
+    never_started = make_run([RankResult(rank, None, "", "", agent=None) for rank in (0, 1)], timed_out=True,
+                             returncode=None)
+    assert "No rank had started its script yet" in never_started.summary()
+    no_stack = make_run([RankResult(rank, None, "", "", agent=0) for rank in (0, 1)], timed_out=True, returncode=None)
+    assert "No rank's stack could be taken" in no_stack.summary() and "shown above" not in no_stack.summary()
 
 
 def test_a_rank_killed_by_a_signal_is_the_root_cause_of_the_peer_that_noticed_it_first():

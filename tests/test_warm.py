@@ -561,3 +561,58 @@ def test_a_warm_process_started_from_a_thread_outlives_the_thread():
     time.sleep(1)  # the signal, had it been armed on the thread, arrives at once
     assert zygote.poll() is None, f"the warm process died with the thread that started it ({zygote.returncode})"
     assert prepare_warm_launches() and warm._ZYGOTE.process.pid == zygote.pid
+
+
+KERNEL_WITH_THREADS = """
+import os, sys
+from pathlib import Path
+from ddp_helpers import run_script
+from ddp_helpers import warm
+from ddp_helpers.launcher import prepare_warm_launches
+from ddp_helpers.config import Hardware
+
+script = Path(sys.argv[1])
+assert prepare_warm_launches(), "the warm process did not start"
+
+
+def launch():
+    run = run_script(script, nproc=2, backend="gloo", hardware=Hardware(()), stream=False, timeout_s=60)
+    assert run.ok, run.summary()
+    return [(fact["parent"] == warm._ZYGOTE.process.pid, fact["torch_threads"], fact["blas_ok"])
+            for fact in run.facts("seen")]
+
+
+print("FIRST", launch(), flush=True)
+print("SECOND", launch(), flush=True)
+os.environ["OMP_NUM_THREADS"] = "1"  # changed mid-session: one cold launch, then warm again
+print("CHANGED", launch(), flush=True)
+print("AFTER", launch(), flush=True)
+"""
+
+
+def test_threads_in_the_kernels_environment_keep_launches_warm(write_script, tmp_path):
+    """OMP_NUM_THREADS >= 2 (common on clusters) makes OpenBLAS start threads as numpy loads: the warm process
+    stops them before it serves, and forked ranks start their own pool again (the matmul below)."""
+    import subprocess
+    import sys
+
+    probe = write_script("seen", """
+        import os, numpy, torch
+        from ddp_helpers import record
+        a = numpy.ones((256, 256))
+        record("seen", {"parent": os.getppid(), "torch_threads": torch.get_num_threads(),
+                        "blas_ok": bool((a @ a)[0, 0] == 256)})
+    """)
+    kernel = tmp_path / "kernel.py"
+    kernel.write_text(KERNEL_WITH_THREADS)
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "DDP_HELPERS_RUNS": str(tmp_path / "runs")}
+    done = subprocess.run([sys.executable, str(kernel), str(probe)], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # What a fresh process chooses under OMP_NUM_THREADS=2 (torch caps it at the cores it finds).
+    fresh = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=env,
+                               capture_output=True, text=True, check=True).stdout)
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines["FIRST"] == lines["SECOND"] == str([(True, fresh, True)] * 2), done.stdout + done.stderr
+    assert lines["CHANGED"] == str([(False, 1, True)] * 2) and lines["AFTER"] == str([(True, 1, True)] * 2), \
+        done.stdout + done.stderr
+    assert done.stderr.count("cold launch, in fresh processes") == 1, done.stderr

@@ -6,7 +6,7 @@ values): lesson 5's checker asks that each rank contributed its own gradient eve
 where it had no sample, which a rank all-reducing junk, or every rank computing every rank's gradient
 itself, does not. Each of the first MAX_CALLS calls is logged with its shape, dtype and reduce op; a small
 tensor's values too, as they were passed in. DDP's own gradient all-reduces run in C++ and are not seen
-here (the flight recorder counts those)."""
+here (the flight recorder counts those), nor are calls inside code torch.compile traced."""
 
 from __future__ import annotations
 
@@ -39,9 +39,14 @@ def _capturing(tensor) -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-def _logged(function):
+def _logged(function, is_compiling):
     @functools.wraps(function)
     def logged(tensor, *args, **kwargs):
+        # Invisible to torch.compile: while Dynamo traces the script's code, `is_compiling()` is a constant True
+        # (torch/compiler/__init__.py), so it traces torch's own all_reduce, as under plain torchrun, and the
+        # logging (a .tolist() it cannot trace) never enters the graph. Compiled calls are not logged.
+        if is_compiling():
+            return function(tensor, *args, **kwargs)
         if len(calls) < MAX_CALLS:
             try:
                 calls.append(_entry(tensor, args, kwargs))
@@ -59,10 +64,26 @@ def observe(c10d_module) -> None:
     function = getattr(c10d_module, "all_reduce", None)
     if function is None or getattr(function, "__ddp_helpers_logged__", False):
         return
-    c10d_module.all_reduce = _logged(function)
+    c10d_module.all_reduce = _logged(function, _compiler_check())
     package = sys.modules.get("torch.distributed")
     if package is not None:
         package.all_reduce = c10d_module.all_reduce
+
+
+def _compiler_check():
+    """torch.compiler.is_compiling, once torch has finished loading (c10d may load while `import torch` runs)."""
+    found = None
+
+    def is_compiling() -> bool:
+        nonlocal found
+        if found is None:
+            compiler = getattr(sys.modules.get("torch"), "compiler", None)
+            if compiler is None:
+                return False
+            found = compiler.is_compiling
+        return found()
+
+    return is_compiling
 
 
 def summary() -> list[dict]:

@@ -18,12 +18,15 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
+import select
 import sys
 import threading
 
 from . import _point_to_point
 from .run_folder import RunFolder, write_atomically
 
+# How often the probe looks whether the script has made its process group yet (`_prepare_the_dump`).
+PREPARE_POLL_S = 0.25
 KEEP_COLLECTIVES = 8  # the last few per rank: enough to see where ranks part ways
 OFF_ENV = "DDP_LESSONS_HANG_PROBE_OFF"  # "1": no probe thread (benchmarks/hang_report_cost.py compares)
 
@@ -41,6 +44,7 @@ def serve(folder: RunFolder, rank: int, stack_file) -> None:
 
 
 def _answer_requests(folder: RunFolder, rank: int, pipe: int, stack_file) -> None:
+    _prepare_the_dump(pipe)
     while True:
         try:
             os.read(pipe, 64)  # blocks until the launcher writes
@@ -53,6 +57,23 @@ def _answer_requests(folder: RunFolder, rank: int, pipe: int, stack_file) -> Non
         except Exception as error:  # noqa: BLE001 - the report is a courtesy: it must never end the rank
             print(f"[ddp_helpers] the hang report of rank {rank} failed: {error!r}", file=sys.stderr)
             return
+
+
+def _prepare_the_dump(pipe: int) -> None:
+    """Once the script has a process group, dump the flight recorder once and throw the dump away: the first
+    dump with stack traces imports what torch needs to name their lines (torch._dynamo and sympy, some 800
+    modules: 2-4 s in a cold rank, more under load), and a rank asked only after a timeout would not answer
+    in time. A warm rank has them imported already (the warm process did). Returns early if asked first."""
+    while not select.select([pipe], [], [], PREPARE_POLL_S)[0]:
+        is_initialized = getattr(sys.modules.get("torch.distributed"), "is_initialized", None)  # None while it loads
+        try:
+            if is_initialized is None or not is_initialized():
+                continue
+            for dump_trace in _recorders():
+                dump_trace(True, True, False)
+        except Exception:  # noqa: BLE001 - only a preparation: the answer will say what fails
+            pass
+        return
 
 
 def _what_this_rank_waits_in(folder: RunFolder, rank: int) -> dict:

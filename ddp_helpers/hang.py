@@ -194,6 +194,11 @@ def _cause(rows: list[RankState], collectives: dict[int, list[dict]], answers: d
         if ops == {"send"}:
             return f"{_names(sorted(p2p))} {every} wait in send{at}, and no rank receives."
     busy = [row.rank for row in rows if row.waiting_in.startswith("not in a collective")]
+    silent = [row.rank for row in rows if row.waiting_in == "did not answer"]
+    if busy and silent and not waiting and not p2p:  # a silent rank may well wait in a collective: never say it does not
+        return (f"{_names(silent).capitalize()} did not say what {'it waits' if len(silent) == 1 else 'they wait'} in "
+                f"(no answer in time): read {'its stack' if len(silent) == 1 else 'their stacks'} below. "
+                f"{'; '.join(f'Rank {r} is {_doing(by_rank[r])}' for r in busy)}.")
     if busy and not waiting and not p2p:
         return (f"No rank waits in a collective: {'; '.join(f'rank {r} is {_doing(by_rank[r])}' for r in busy)}. "
                 "Look at those lines: a loop that does not end, or a sleep.")

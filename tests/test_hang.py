@@ -135,3 +135,23 @@ def test_a_rank_that_returned_from_a_mismatched_collective_is_said_to_have_gone_
     assert report.cause.startswith("The ranks disagree at collective #4: all_reduce of [] (a scalar) float32 on rank 0")
     assert report.cause.endswith(" Rank 0 returned from it anyway (gloo can pair collectives that do not match) and "
                                  "went on."), report.cause
+
+
+def test_a_rank_that_did_not_answer_is_never_said_to_wait_in_nothing():
+    # Rank 0 waits in all_reduce but its answer came too late (a cold rank under load); rank 1 sleeps.
+    answers = {0: None, 1: {"collectives": [], "point_to_point": None}}
+    report = build_report(answers, {0: "line 9", 1: "line 10"}, {}, {})
+    assert report.ranks[0].waiting_in == "did not answer"
+    assert "No rank waits in a collective" not in report.cause, report.cause
+    assert report.cause.startswith("Rank 0 did not say what it waits in (no answer in time): read its stack below."), \
+        report.cause
+
+
+@pytest.mark.parametrize("name", ["a collective one rank never calls", "mismatched shapes"])
+def test_a_cold_launchs_hang_is_reported_as_a_warm_ones(name, write_script):
+    """A cold rank imports what the flight recorder's dump needs as its process group starts, so it answers in time."""
+    body, cause = HANGS[name]
+    run = run_on_cpu(write_script("hangs", PREAMBLE + body), timeout_s=30, cold=True)
+    assert run.timed_out and run.hang is not None, failure_report(run)
+    assert cause in run.hang.cause, f"{run.hang.text()}\n{failure_report(run)}"
+    assert all(row.waiting_in != "did not answer" for row in run.hang.ranks), run.hang.text()

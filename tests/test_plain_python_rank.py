@@ -103,3 +103,35 @@ def test_a_timeout_before_any_rank_started_does_not_point_to_stacks(write_script
     summary = run.summary()
     assert "No rank had started its script yet" in summary and "shown above" not in summary, summary
     assert "where rank" not in capsys.readouterr().err
+
+
+COMPILES_AN_ALL_REDUCE = """\
+import torch
+import torch.distributed as dist
+from ddp_helpers import record
+
+dist.init_process_group("gloo")
+
+
+def step(x):
+    y = x * 2
+    dist.all_reduce(y)
+    return y + 1
+
+
+x = torch.ones(4) * (dist.get_rank() + 1)
+eager = step(x)  # logged as usual
+explained = torch._dynamo.explain(step)(x)
+compiled = torch.compile(step, fullgraph=True, backend="eager")(x)
+record("seen", {"graph_breaks": explained.graph_break_count, "same": bool(torch.equal(eager, compiled)),
+                "value": compiled.tolist()})
+dist.destroy_process_group()
+"""
+
+
+def test_torch_compile_traces_all_reduce_as_under_plain_torchrun(write_script):
+    """The launcher's all_reduce logger is invisible to the compiler: no graph break, fullgraph=True compiles."""
+    run = run_on_cpu(write_script("compiles", COMPILES_AN_ALL_REDUCE), timeout_s=120)
+    assert run.ok, failure_report(run)
+    assert run.facts("seen") == [{"graph_breaks": 0, "same": True, "value": [7.0] * 4}] * 2
+    assert [len(rank.all_reduced) for rank in run.ranks] == [1, 1]  # the eager call, logged; compiled ones are not

@@ -87,7 +87,16 @@ def _what_this_rank_waits_in(folder: RunFolder, rank: int) -> dict:
         collectives += [{**_collective(entry), "returned": bool(entry["retired"]),
                          "line": _script_line(entry.get("frames") or [])}
                         for entry in dump["entries"][-KEEP_COLLECTIVES:] if not entry.get("is_p2p")]
-    return {"collectives": collectives, "point_to_point": _point_to_point.waiting}
+    return {"collectives": collectives, "point_to_point": _point_to_point.waiting or _point_to_point.unfinished(),
+            "recorder": _recorder_is_on()}
+
+
+def _recorder_is_on() -> bool:
+    """torch's flight recorder keeps TORCH_FR_BUFFER_SIZE entries (2000 by default); 0 turns it off."""
+    try:
+        return int(os.environ.get("TORCH_FR_BUFFER_SIZE", "2000")) > 0
+    except ValueError:
+        return True
 
 
 def collectives_called() -> list[dict]:
@@ -106,9 +115,14 @@ def _recorders() -> list:
 
 def _collective(entry: dict) -> dict:
     group_name, group_description = entry["process_group"]
+    if group_description == "default_pg":
+        group = "world"
+    elif group_description in ("", "undefined"):  # dist.new_group() without group_desc
+        group = f"group {group_name}"
+    else:
+        group = group_description
     return {"number": entry["collective_seq_id"], "op": entry["profiling_name"].split(":", 1)[-1],
-            "shapes": entry["input_sizes"], "dtypes": [d.lower() for d in entry["input_dtypes"]],
-            "group": "world" if group_description == "default_pg" else (group_description or group_name)}
+            "shapes": entry["input_sizes"], "dtypes": [d.lower() for d in entry["input_dtypes"]], "group": group}
 
 
 def _script_line(frames: list[dict]) -> int | None:

@@ -27,6 +27,10 @@ calls: list[dict] = []
 waiting: dict | None = None
 count = 0
 _depth = 0
+# The script's latest isend/irecv calls and their Work (weakly): one not completed is what a rank in
+# `work.wait()` waits for, which neither `waiting` nor the flight recorder (gloo) shows.
+_started: list[tuple[dict, weakref.ref]] = []
+KEEP_STARTED = 16
 _received: list[weakref.ref] = []  # the tensors the script received into (the last MAX_CALLS)
 _gradients_of_received: list[weakref.ref] = []  # what torch.autograd.grad returned for a received tensor
 
@@ -86,10 +90,25 @@ def _logged(op: str, function, values_after: bool):
             waiting = None
         if len(calls) < MAX_CALLS and values_after:
             calls.append(_entry(op, tensor, peer if peer is not None else result, with_values=True))
+        if op in ("isend", "irecv") and result is not None:
+            _started.append(({**_entry(op, tensor, peer, with_values=False), "number": count}, weakref.ref(result)))
+            del _started[:-KEEP_STARTED]
         return result
 
     logged.__ddp_helpers_logged__ = True
     return logged
+
+
+def unfinished() -> dict | None:
+    """The latest isend/irecv whose Work has not completed (None if every one has, or was dropped)."""
+    for entry, work in reversed(_started):
+        alive = work()
+        try:
+            if alive is not None and not alive.is_completed():
+                return entry
+        except RuntimeError:  # a failed Work: not what a rank waits for
+            continue
+    return None
 
 
 def _observing_grad(grad):

@@ -71,9 +71,10 @@ def read_hang_report(folder: RunFolder, world_size: int, script_name: str, exit_
     answers = {rank: folder.read_hang_answer(rank) for rank in range(world_size)}
     if not any(answers.values()):
         return None
-    lines = {rank: _learner_line(folder.read_text(folder.stack_file(rank)), script_name)
-             for rank in range(world_size)}
-    return build_report(answers, lines, exit_codes, errors)
+    dumps = {rank: folder.read_text(folder.stack_file(rank)) for rank in range(world_size)}
+    lines = {rank: _learner_line(dump, script_name) for rank, dump in dumps.items()}
+    blocked_in = {rank: _blocked_in(dump) for rank, dump in dumps.items() if dump}
+    return build_report(answers, lines, exit_codes, errors, blocked_in)
 
 
 def _learner_line(dump: str, script_name: str) -> str:
@@ -86,6 +87,14 @@ def _learner_line(dump: str, script_name: str) -> str:
             line = rest.split(" in ")[0]
             return line if name == script_name else f"{name}, {line}"
     return ""
+
+
+def _blocked_in(dump: str) -> str:
+    """The torch.distributed function the learner's innermost frame is inside, as its stack shows ("all_reduce"),
+    or "" (its code is elsewhere: a sleep, a loop, or a C++ wait that has no Python frame)."""
+    shown, _ = fold_stack(dump)
+    first = next((entry for entry in shown), "")
+    return first.split("torch.distributed.", 1)[1] if first.startswith("  waiting in torch.distributed.") else ""
 
 
 def last_printed_error(stderr: str) -> str | None:
@@ -122,11 +131,19 @@ def _waiting_collective(answer: dict | None) -> dict | None:
     return waiting[-1] if waiting else None
 
 
+# A rank whose collective has not finished while its stack shows it elsewhere (async_op=True, never waited
+# on; or a GPU stream the rank went on from).
+WENT_ON = " (not finished; the rank went on)"
+RECORDER_OFF = "unknown: the flight recorder is off"
+
+
 def build_report(answers: dict[int, dict | None], lines: dict[int, str], exit_codes: dict[int, int | None],
-                 errors: dict[int, str]) -> HangReport:
+                 errors: dict[int, str], blocked_in: dict[int, str] | None = None) -> HangReport:
     """`answers`: per rank its hang.json (None: it did not answer); `lines`: per rank where its stack says
     it is; `exit_codes`: per rank its exit code if it had ended before the timeout; `errors`: per rank the
-    error it raised, if any."""
+    error it raised, if any; `blocked_in`: per rank with a stack, the torch.distributed call the stack shows
+    it inside ("" for none). Where the recorder and the stack disagree, the row says what each shows."""
+    blocked_in = blocked_in or {}
     rows = []
     for rank in sorted(answers):
         answer, collective = answers[rank], _waiting_collective(answers[rank])
@@ -134,10 +151,15 @@ def build_report(answers: dict[int, dict | None], lines: dict[int, str], exit_co
         if exit_codes.get(rank) is not None:
             ended = f"ended (exit code {exit_codes[rank]})"
             rows.append(RankState(rank, f"{ended} after {errors[rank]}" if rank in errors else ended))
-        elif collective is not None:  # the line that called it (with nccl, the rank may have gone on since)
-            line = f"line {collective['line']}" if collective.get("line") else lines.get(rank, "")
-            rows.append(RankState(rank, collective["op"], f"#{collective['number']}", _shape(collective),
-                                  collective["group"], line))
+        elif collective is not None:
+            called_at = f"line {collective['line']}" if collective.get("line") else lines.get(rank, "")
+            went_on = blocked_in.get(rank) == "" and lines.get(rank) and lines.get(rank) != called_at
+            rows.append(RankState(rank, collective["op"] + (WENT_ON if went_on else ""), f"#{collective['number']}",
+                                  _shape(collective), collective["group"], lines[rank] if went_on else called_at))
+        elif answer is not None and answer.get("recorder") is False and p2p is None:
+            seen = blocked_in.get(rank)
+            rows.append(RankState(rank, RECORDER_OFF + (f" (its stack: in {seen})" if seen else ""),
+                                  line=lines.get(rank, "")))
         elif p2p is not None:
             direction = "to" if p2p["op"] == "send" else "from"
             rows.append(RankState(rank, f"{p2p['op']} {direction} rank {p2p['peer']}", f"p2p #{p2p['number']}",
@@ -160,29 +182,17 @@ def _names(ranks: list[int]) -> str:
 
 def _cause(rows: list[RankState], collectives: dict[int, list[dict]], answers: dict[int, dict | None]) -> str:
     by_rank = {row.rank: row for row in rows}
+    off = [row for row in rows if row.waiting_in.startswith(RECORDER_OFF)]
+    if off:
+        where = "; ".join(f"rank {row.rank} at {row.line or 'an unknown line'}" for row in off)
+        return ("The flight recorder is off (TORCH_FR_BUFFER_SIZE=0), so the report cannot tell which collective "
+                f"{_names([row.rank for row in off])} {'waits' if len(off) == 1 else 'wait'} in: read the stacks below "
+                f"({where}). Unset TORCH_FR_BUFFER_SIZE to get the report back.")
     waiting = {row.rank: _waiting_collective(answers[row.rank]) for row in rows if row.number.startswith("#")}
     if waiting:
-        # The earliest collective anyone waits in, per group: every rank of the group must have called it.
-        group, number = min((c["group"], c["number"]) for c in waiting.values())
-        called = {rank: next((c for c in collectives[rank] if c["group"] == group and c["number"] == number), None)
-                  for rank in collectives}
-        calls = {rank: c for rank, c in called.items() if c is not None}
-        kinds = {(c["op"], _shape(c)) for c in calls.values()}
-        if len(kinds) > 1:
-            parts = [c["op"] + (f" of {_shape(c)}" if _shape(c) else "") + f" on rank {rank}"
-                     + (f" (line {c['line']})" if c.get("line") else "") for rank, c in sorted(calls.items())]
-            moved_on = sorted(rank for rank, w in waiting.items() if w["group"] == group and w["number"] > number)
-            went_on = (f" {_names(moved_on).capitalize()} returned from it anyway (gloo can pair collectives that do not match) "
-                       f"and went on." if moved_on else "")
-            return f"The ranks disagree at collective #{number}: {', '.join(parts)}.{went_on}"
-        op = next(iter(calls.values()))["op"]
-        waiters = sorted(rank for rank in waiting if waiting[rank]["number"] == number and waiting[rank]["group"] == group)
-        missing = [rank for rank, c in sorted(called.items()) if c is None and rank not in waiters]
-        if missing:
-            where = f" ({by_rank[waiters[0]].line})" if by_rank[waiters[0]].line else ""
-            doing = "; ".join(f"rank {rank} is {_doing(by_rank[rank])}" for rank in missing)
-            return (f"{_names(missing)} never called {op} #{number}, which {_names(waiters)} "
-                    f"{'is' if len(waiters) == 1 else 'are'} waiting in{where}: {doing}.")
+        cause = _cause_at_collective(by_rank, waiting, collectives)
+        if cause:
+            return cause
     p2p = {row.rank: row for row in rows if row.number.startswith("p2p")}
     if p2p and len(p2p) == sum(1 for row in rows if not row.waiting_in.startswith("ended")):
         ops = {row.waiting_in.split()[0] for row in p2p.values()}
@@ -195,6 +205,9 @@ def _cause(rows: list[RankState], collectives: dict[int, list[dict]], answers: d
             return f"{_names(sorted(p2p))} {every} wait in send{at}, and no rank receives."
     busy = [row.rank for row in rows if row.waiting_in.startswith("not in a collective")]
     silent = [row.rank for row in rows if row.waiting_in == "did not answer"]
+    if p2p and busy and not waiting:  # one rank waits for a message, the other is in its own code
+        waits = "; ".join(f"rank {rank} waits in {row.waiting_in} ({row.line})" for rank, row in sorted(p2p.items()))
+        return f"{waits}, and {'; '.join(f'rank {r} is {_doing(by_rank[r])}' for r in busy)}."
     if busy and silent and not waiting and not p2p:  # a silent rank may well wait in a collective: never say it does not
         return (f"{_names(silent).capitalize()} did not say what {'it waits' if len(silent) == 1 else 'they wait'} in "
                 f"(no answer in time): read {'its stack' if len(silent) == 1 else 'their stacks'} below. "
@@ -203,6 +216,49 @@ def _cause(rows: list[RankState], collectives: dict[int, list[dict]], answers: d
         return (f"No rank waits in a collective: {'; '.join(f'rank {r} is {_doing(by_rank[r])}' for r in busy)}. "
                 "Look at those lines: a loop that does not end, or a sleep.")
     return "No single cause could be read from the ranks; their stacks are below."
+
+
+def _cause_at_collective(by_rank: dict[int, RankState], waiting: dict[int, dict],
+                         collectives: dict[int, list[dict]]) -> str | None:
+    """The cause read at the earliest collective a rank waits in, or None when the ranks agree there."""
+    # The earliest collective anyone waits in, per group: every rank of the group must have called it.
+    group, number = min((c["group"], c["number"]) for c in waiting.values())
+    called = {rank: next((c for c in collectives[rank] if c["group"] == group and c["number"] == number), None)
+              for rank in collectives}
+    calls = {rank: c for rank, c in called.items() if c is not None}
+    kinds = {(c["op"], _shape(c)) for c in calls.values()}
+    if len(kinds) > 1:
+        parts = [c["op"] + (f" of {_shape(c)}" if _shape(c) else "") + f" on rank {rank}"
+                 + (f" (line {c['line']})" if c.get("line") else "") for rank, c in sorted(calls.items())]
+        moved_on = sorted(rank for rank, w in waiting.items() if w["group"] == group and w["number"] > number)
+        went_on = (f" {_names(moved_on).capitalize()} returned from it anyway (gloo can pair collectives that do not match) "
+                   f"and went on." if moved_on else "")
+        return f"The ranks disagree at collective #{number}: {', '.join(parts)}.{went_on}"
+    op = next(iter(calls.values()))["op"]
+    waiters = sorted(rank for rank in waiting if waiting[rank]["number"] == number and waiting[rank]["group"] == group)
+    missing = [rank for rank, c in sorted(called.items()) if c is None and rank not in waiters]
+    elsewhere = {rank: waiting[rank] for rank in missing if rank in waiting and waiting[rank]["group"] != group}
+    if elsewhere:  # each waits in a collective of its own group: neither can finish
+        parts = [f"rank {rank} in {c['op']} #{c['number']} of {_group(c['group'])} ({by_rank[rank].line})"
+                 for rank, c in sorted({**{r: waiting[r] for r in waiters}, **elsewhere}.items())]
+        return (f"The ranks wait in collectives of different groups: {', '.join(parts)}. Every rank of a group "
+                "must call that group's collectives, in the same order.")
+    if missing:
+        waiter = by_rank[waiters[0]]
+        if waiter.waiting_in.endswith(WENT_ON):
+            started = next((c for c in collectives[waiters[0]] if c["group"] == group and c["number"] == number), {})
+            at = f" at line {started['line']}" if started.get("line") else ""
+            state = (f"started{at} and {'has' if len(waiters) == 1 else 'have'} not finished (async_op=True, never "
+                     f"waited on, or a GPU stream; {waiter.line} now)")
+        else:
+            state = f"{'is' if len(waiters) == 1 else 'are'} waiting in" + (f" ({waiter.line})" if waiter.line else "")
+        doing = "; ".join(f"rank {rank} is {_doing(by_rank[rank])}" for rank in missing)
+        return f"{_names(missing)} never called {op} #{number}, which {_names(waiters)} {state}: {doing}."
+    return None
+
+
+def _group(name: str) -> str:
+    return "the world" if name == "world" else name
 
 
 def _doing(row: RankState) -> str:

@@ -155,3 +155,64 @@ def test_a_cold_launchs_hang_is_reported_as_a_warm_ones(name, write_script):
     assert run.timed_out and run.hang is not None, failure_report(run)
     assert cause in run.hang.cause, f"{run.hang.text()}\n{failure_report(run)}"
     assert all(row.waiting_in != "did not answer" for row in run.hang.ranks), run.hang.text()
+
+
+SHORT_PREAMBLE = """\
+import os, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+"""  # the scripts below start at line 6
+# What the flight recorder alone cannot tell: the report must agree with the ranks' own stacks.
+AGREES_WITH_THE_STACKS = {
+    "a subgroup's collective against the world's": (
+        """\
+sub = dist.new_group([0, 1])
+if rank == 0:
+    dist.all_reduce(torch.ones(4), group=sub)
+else:
+    dist.all_reduce(torch.ones(4))
+time.sleep(300)
+""", {},
+        "The ranks wait in collectives of different groups: rank 0 in all_reduce #1 of group 1 (line 8), rank 1 in "
+        "all_reduce #1 of the world (line 10)."),
+    "an async all_reduce never waited on": (
+        """\
+if rank == 0:
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+time.sleep(300)
+""", {},
+        "Rank 1 never called all_reduce #1, which rank 0 started at line 7 and has not finished (async_op=True, never "
+        "waited on, or a GPU stream; line 8 now)"),
+    "irecv().wait()": (
+        """\
+if rank == 0:
+    dist.irecv(torch.empty(4), src=1).wait()
+time.sleep(300)
+""", {},
+        "Rank 0 waits in irecv from rank 1 (line 7), and rank 1 is in your code at line 8, in no collective."),
+    "the flight recorder off": (
+        """\
+if rank == 0:
+    dist.all_reduce(torch.ones(4))
+time.sleep(300)
+""", {"TORCH_FR_BUFFER_SIZE": "0"},
+        "The flight recorder is off (TORCH_FR_BUFFER_SIZE=0), so the report cannot tell which collective ranks 0 and "
+        "1 wait in: read the stacks below (rank 0 at line 7; rank 1 at line 8)."),
+    "a huge flight recorder": (
+        """\
+if rank == 0:
+    dist.all_reduce(torch.ones(4))
+time.sleep(300)
+""", {"TORCH_FR_BUFFER_SIZE": "1000000"},
+        "Rank 1 never called all_reduce #1, which rank 0 is waiting in (line 7): rank 1 is in your code at line 8"),
+}
+
+
+@pytest.mark.parametrize("name", list(AGREES_WITH_THE_STACKS))
+def test_the_report_agrees_with_the_ranks_stacks(name, write_script):
+    body, env, cause = AGREES_WITH_THE_STACKS[name]
+    run = run_on_cpu(write_script("hangs", SHORT_PREAMBLE + body), timeout_s=HANG_TIMEOUT_S, extra_env=env)
+    assert run.timed_out and run.hang is not None, failure_report(run)
+    assert cause in run.hang.cause, f"{run.hang.text()}\n{failure_report(run)}"

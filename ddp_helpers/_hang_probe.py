@@ -21,6 +21,7 @@ import pickle
 import select
 import sys
 import threading
+import time
 
 from . import _point_to_point
 from .run_folder import RunFolder, write_atomically
@@ -29,25 +30,61 @@ from .run_folder import RunFolder, write_atomically
 PREPARE_POLL_S = 0.25
 KEEP_COLLECTIVES = 8  # the last few per rank: enough to see where ranks part ways
 OFF_ENV = "DDP_LESSONS_HANG_PROBE_OFF"  # "1": no probe thread (benchmarks/hang_report_cost.py compares)
+# "file": the launcher asks by writing a file, not into a named pipe (a Slurm job's ranks; see `_FileRequests`).
+REQUESTS_ENV = "DDP_HELPERS_HANG_REQUESTS"
 
 
 def serve(folder: RunFolder, rank: int, stack_file) -> None:
-    request = folder.hang_request(rank)
-    request.unlink(missing_ok=True)  # an earlier attempt's, before a restart
-    os.mkfifo(request, 0o600)
-    # Opened here, read and write (which never blocks on Linux), so that the rank holds the same
-    # descriptors whatever the thread is doing: an open() blocked in a thread reserves a descriptor
-    # number unseen, and the script's first file would get another number from one run to the next.
-    pipe = os.open(request, os.O_RDWR | os.O_CLOEXEC)
-    threading.Thread(target=_answer_requests, args=(folder, rank, pipe, stack_file), name="ddp_helpers-hang-probe",
-                     daemon=True).start()
+    requests = _FileRequests(folder.hang_request(rank)) if os.environ.get(REQUESTS_ENV) == "file" else \
+        _PipeRequests(folder.hang_request(rank))
+    threading.Thread(target=_answer_requests, args=(folder, rank, requests, stack_file),
+                     name="ddp_helpers-hang-probe", daemon=True).start()
 
 
-def _answer_requests(folder: RunFolder, rank: int, pipe: int, stack_file) -> None:
-    _prepare_the_dump(pipe)
+class _PipeRequests:
+    """Requests through a named pipe in the run folder (this machine): the thread wakes as one is written."""
+
+    def __init__(self, path):
+        path.unlink(missing_ok=True)  # an earlier attempt's, before a restart
+        os.mkfifo(path, 0o600)
+        # Opened here, read and write (which never blocks on Linux), so that the rank holds the same
+        # descriptors whatever the thread is doing: an open() blocked in a thread reserves a descriptor
+        # number unseen, and the script's first file would get another number from one run to the next.
+        self._pipe = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+
+    def pending(self, wait_s: float | None) -> bool:
+        return bool(select.select([self._pipe], [], [], wait_s)[0])
+
+    def take(self) -> None:
+        os.read(self._pipe, 64)
+
+
+class _FileRequests:
+    """Requests as a file in the run folder (a Slurm job's ranks: a named pipe does not cross machines on a
+    shared file system), looked for every PREPARE_POLL_S."""
+
+    def __init__(self, path):
+        self._path = path
+        path.unlink(missing_ok=True)
+
+    def pending(self, wait_s: float | None) -> bool:
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while not self._path.exists():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(PREPARE_POLL_S)
+        return True
+
+    def take(self) -> None:
+        self._path.unlink(missing_ok=True)
+
+
+def _answer_requests(folder: RunFolder, rank: int, requests, stack_file) -> None:
+    _prepare_the_dump(requests)
     while True:
         try:
-            os.read(pipe, 64)  # blocks until the launcher writes
+            requests.pending(None)  # blocks until the launcher asks
+            requests.take()
             # Every thread's stack first, from this thread: a signal (SIGUSR1) is the script's to own, and
             # a handler of its own (a preemption checkpoint) would run instead of the dump. While this
             # thread holds the interpreter lock, no other thread's frames change under the dump.
@@ -59,12 +96,12 @@ def _answer_requests(folder: RunFolder, rank: int, pipe: int, stack_file) -> Non
             return
 
 
-def _prepare_the_dump(pipe: int) -> None:
+def _prepare_the_dump(requests) -> None:
     """Once the script has a process group, dump the flight recorder once and throw the dump away: the first
     dump with stack traces imports what torch needs to name their lines (torch._dynamo and sympy, some 800
     modules: 2-4 s in a cold rank, more under load), and a rank asked only after a timeout would not answer
     in time. A warm rank has them imported already (the warm process did). Returns early if asked first."""
-    while not select.select([pipe], [], [], PREPARE_POLL_S)[0]:
+    while not requests.pending(PREPARE_POLL_S):
         is_initialized = getattr(sys.modules.get("torch.distributed"), "is_initialized", None)  # None while it loads
         try:
             if is_initialized is None or not is_initialized():

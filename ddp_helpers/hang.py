@@ -12,8 +12,20 @@ import errno
 import os
 from dataclasses import dataclass, field
 
-from .run_folder import RunFolder
+from .run_folder import RunFolder, write_atomically
 from .stacks import fold_stack
+
+
+# How long a timed-out run waits for its ranks to say what they wait in (a thread of each answers within about
+# 1 s; the first dump of a cold rank that had no time to prepare it, some seconds).
+ANSWER_WAIT_S = 5.0
+
+
+def ask_ranks_by_file(folder: RunFolder, ranks: list[int]) -> list[int]:
+    """Ask each rank by writing its request as a file (a Slurm job's ranks, `_hang_probe._FileRequests`)."""
+    for rank in ranks:
+        write_atomically(folder.hang_request(rank), b"?")
+    return list(ranks)
 
 
 def ask_ranks(folder: RunFolder, ranks: list[int]) -> list[int]:

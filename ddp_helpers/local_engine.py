@@ -52,7 +52,7 @@ _SUPERVISOR_EXTRA_S = 4
 # Every process of a stopped run is gone within this bound (stated in the README; a test holds it).
 STOP_BOUND_S = 15
 STACK_DUMP_WAIT_S = 5.0
-HANG_REPORT_WAIT_S = 5.0  # for the ranks to say what they wait in (a thread of each answers within about 1 s)
+HANG_REPORT_WAIT_S = hang.ANSWER_WAIT_S
 _WAIT_STEP_S = 0.05
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from dataclasses import dataclass
 
+from . import _hang_probe, hang
 from .config import DEFAULT_CPU_NPROC, LaunchConfig, default_run_dir, parse_nproc
 from .engine import ClusterJob, Ending, Engine, LaunchRequest
 from .errors import LaunchError
@@ -129,6 +130,7 @@ def job_script(config: LaunchConfig, run_id: str) -> str:
     options += [f"--partition={job.partition}"] * bool(job.partition) + [f"--time={job.time}"] * bool(job.time)
     options += [f"--gpus-per-node={job.gpus_per_node}"] * bool(job.gpus_per_node) + list(job.sbatch_args)
     exports = {RUN_DIR_ENV: str(config.run_dir), RUN_ID_ENV: run_id, "PYTHONUNBUFFERED": "1",
+               _hang_probe.REQUESTS_ENV: "file",  # a timed-out job's ranks are asked through the shared folder
                **({IMPORT_DIR_ENV: str(config.import_dir)} if config.import_dir else {}),
                # restarts (--max-restarts) reconnect only without the agent's shared store (torch 2.13)
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **config.extra_env}
@@ -253,8 +255,17 @@ class SlurmEngine(Engine):
         return True
 
     def on_timeout(self, streamer) -> None:
-        print(f"[ddp_helpers] no result after {self.config.timeout_s:g} s: cancelling Slurm job {self.job_id}.",
-              file=sys.stderr, flush=True)
+        """Ask every rank that started for its stacks and what it waits in (files on the shared run folder: a
+        thread of each rank answers, `_hang_probe`), wait for the answers, then let the job be cancelled."""
+        started = [rank for rank in range(self.config.world_size) if self.folder.read_identity(rank) is not None]
+        print(f"[ddp_helpers] no result after {self.config.timeout_s:g} s: asking every rank that started for its "
+              f"stack, then cancelling Slurm job {self.job_id}.", file=sys.stderr, flush=True)
+        asked = hang.ask_ranks_by_file(self.folder, started)
+        # A rank looks for the request every PREPARE_POLL_S, and the shared file system may be slower still.
+        until = time.monotonic() + hang.ANSWER_WAIT_S + 1
+        while asked and time.monotonic() < until and not all(self.folder.hang_answered(rank) for rank in asked):
+            streamer.poll()
+            time.sleep(0.05)
 
     def stop(self) -> None:
         """The job does not outlive the cell: cancelled unless it ended."""

@@ -213,6 +213,9 @@ time.sleep(300)
 @pytest.mark.parametrize("name", list(AGREES_WITH_THE_STACKS))
 def test_the_report_agrees_with_the_ranks_stacks(name, write_script):
     body, env, cause = AGREES_WITH_THE_STACKS[name]
-    run = run_on_cpu(write_script("hangs", SHORT_PREAMBLE + body), timeout_s=HANG_TIMEOUT_S, extra_env=env)
+    # A TORCH_* variable of the cell's own launches cold (torch may read it at import): the timeout must outlast
+    # a cold start under load, as test_a_cold_launchs_hang_is_reported_as_a_warm_ones's does.
+    run = run_on_cpu(write_script("hangs", SHORT_PREAMBLE + body), timeout_s=30 if env else HANG_TIMEOUT_S,
+                     extra_env=env)
     assert run.timed_out and run.hang is not None, failure_report(run)
     assert cause in run.hang.cause, f"{run.hang.text()}\n{failure_report(run)}"

@@ -242,3 +242,18 @@ def test_the_lessons_preempted_job_saves_requeues_and_resumes_bitwise(cluster):
     assert preempted["step"] == uninterrupted["step"] == STEPS - 1
     for name, value in uninterrupted["model"].items():
         assert torch.equal(preempted["model"][name], value), name
+
+
+def test_a_hang_on_slurm_is_reported_with_its_cause_and_stacks(cluster, write_script):
+    """As warm and cold launches do (tests/test_hang.py): the job's ranks are asked through the shared run
+    folder before the job is cancelled."""
+    from test_hang import HANGS, PREAMBLE
+
+    body, cause = HANGS["a collective one rank never calls"]
+    config = make_launch_config(write_script("hangs", PREAMBLE + body), cluster=SlurmJob(nodes=1), nproc=2,
+                                timeout_s=30, stream=False)
+    run = launch(config)
+    assert run.timed_out and run.hang is not None, failure_report(run)
+    assert cause in run.hang.cause, f"{run.hang.text()}\n{failure_report(run)}"
+    assert all("where rank" in rank.stderr for rank in run.ranks), failure_report(run)
+    assert not cluster.jobs(), "the job must be cancelled"

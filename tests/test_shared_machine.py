@@ -59,7 +59,7 @@ ATTACKER = textwrap.dedent(
     from datetime import timedelta
     import torch.distributed as dist
 
-    proof = sys.argv[1]
+    proof, port_wanted = sys.argv[1], int(sys.argv[2])  # the learner's agent (not another job's on this machine)
 
     class Payload:
         def __reduce__(self):
@@ -73,7 +73,8 @@ ATTACKER = textwrap.dedent(
                 continue
             if "--rdzv-endpoint" in argv:
                 host, port = argv[argv.index("--rdzv-endpoint") + 1].rsplit(":", 1)
-                yield host, int(port)
+                if int(port) == port_wanted:
+                    yield host, int(port)
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -102,10 +103,11 @@ def test_another_user_cannot_run_code_through_a_demos_rendezvous_store(other_use
     worker.write_text("print('a worker started')\n")
     for path in (attacker, worker):
         path.chmod(0o644)
-    attack = as_user(other_user, [sys.executable, str(attacker), str(proof)])
+    port = free_port()
+    attack = as_user(other_user, [sys.executable, str(attacker), str(proof), str(port)])
     try:
         [(code, output)] = run_torchrun_commands(
-            [["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+            [["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
               "--rdzv-id", "job-42", "--rdzv-conf", "join_timeout=20", str(worker)]], timeout_s=60)
     finally:
         attack_output = attack.communicate(timeout=70)[0]
@@ -330,3 +332,27 @@ def test_a_demos_torchrun_leaves_no_torchelastic_folder(tmp_path, monkeypatch):
     code, output = run_torchrun_command(["--standalone", "--nproc-per-node", "2", str(script)])
     assert code == 0, output
     assert list(temporary.iterdir()) == []
+
+
+@needs_root
+def test_a_group_member_cannot_replace_a_cells_script_under_umask_002(ipython, other_user, shared_folder,
+                                                                      monkeypatch):
+    """A shared group and umask 002, as on many clusters: the other user, in the learner's group, tries to put
+    their own script where the ranks read the cell's (the folders above the runs root let everyone through)."""
+    root = shared_folder / "runs"
+    monkeypatch.setenv("DDP_HELPERS_RUNS", str(root))
+    old = os.umask(0o002)
+    try:
+        result = run_cell(ipython)
+    finally:
+        os.umask(old)
+    assert result.success, result.error_in_exec
+    scripts = [path for path in root.rglob("*.py")]
+    assert scripts, "the cell's script was written"
+    group = os.stat(scripts[0]).st_gid
+    attempt = subprocess.run(
+        ["setpriv", f"--reuid={other_user.pw_uid}", f"--regid={other_user.pw_gid}", f"--groups={group}",
+         "sh", "-c", f"echo 'print(\"not yours\")' > {scripts[0].parent}/swap.py && mv {scripts[0].parent}/swap.py "
+                     f"{scripts[0]}"], capture_output=True, text=True)
+    assert attempt.returncode != 0, "a member of the learner's group replaced the cell's script"
+    assert "not yours" not in scripts[0].read_text()

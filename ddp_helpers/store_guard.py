@@ -51,7 +51,7 @@ def loopback_store(port: int = 0, multi_tenant: bool = False, address: str = LOO
     except OSError as error:
         name = errno.errorcode.get(error.errno, str(error.errno))
         raise DistNetworkError(f"The server socket has failed to listen on {address}:{port} "
-                               f"(errno: {error.errno} - {error.strerror}). [{name}]") from None
+                               f"(errno: {error.errno} - {os.strerror(error.errno)}). [{name}]") from None
     with listener:
         return TCPStore(address, listener.getsockname()[1], is_master=True, multi_tenant=multi_tenant,
                         master_listen_fd=os.dup(listener.fileno()), **options)

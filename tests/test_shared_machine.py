@@ -81,7 +81,8 @@ ATTACKER = textwrap.dedent(
         for host, port in set(endpoints()):
             try:
                 store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=2))
-                keys = [key for key in store.list_keys() if key.startswith("torch.rendezvous.")]
+                # the state itself (torch.rendezvous.<id>), not the keys the agents keep below it
+                keys = [key for key in store.list_keys() if key.startswith("torch.rendezvous.") and "/" not in key]
             except Exception:
                 continue
             for key in keys:
@@ -356,3 +357,119 @@ def test_a_group_member_cannot_replace_a_cells_script_under_umask_002(ipython, o
                      f"{scripts[0]}"], capture_output=True, text=True)
     assert attempt.returncode != 0, "a member of the learner's group replaced the cell's script"
     assert "not yours" not in scripts[0].read_text()
+
+
+WAITS_IN_A_GROUP = """\
+import os, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print("in the group", flush=True)
+deadline = time.monotonic() + 90
+while not os.path.exists(os.environ["RELEASE"]) and time.monotonic() < deadline:  # the attack is over
+    time.sleep(0.1)
+"""
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(") ", 1)[1].split()[1])
+
+
+def listening_ports_of(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@needs_root
+def test_another_user_cannot_run_code_through_the_launchers_rendezvous_store(other_user, shared_folder, write_script,
+                                                                            tmp_path):
+    """The launcher's own agents keep their rendezvous state in a store on loopback, which any local user can
+    reach and list (the attacker is handed the run's listening ports, as a scan of /proc/net/tcp finds them):
+    a pickle written there is refused unread."""
+    import threading
+    import time
+
+    from ddp_helpers.processes import marked_processes
+    from ddp_helpers.run_folder import MARKER_NAME, RUN_ID_ENV, RunFolder, read_json
+    from support import run_on_cpu
+
+    attacker, proof = shared_folder / "attacker.py", shared_folder / "proof"
+    attacker.write_text(ATTACK_PORTS)
+    attacker.chmod(0o644)
+    run_dir = tmp_path / "run"
+    result = {}
+    release = tmp_path / "release"
+    launch = threading.Thread(target=lambda: result.update(run=run_on_cpu(
+        write_script("waits", WAITS_IN_A_GROUP), run_dir=run_dir, timeout_s=120, extra_env={"RELEASE": str(release)})))
+    launch.start()
+    try:
+        deadline, ports = time.monotonic() + 60, set()
+        while not ports and time.monotonic() < deadline and launch.is_alive():
+            output = run_dir / "rank0.stdout"
+            run_id = (read_json(run_dir / MARKER_NAME) or {}).get("run_id")
+            if run_id and output.exists() and "in the group" in output.read_text():
+                # The agent (the supervisor): marked itself when cold, the parent of the ranks' stubs when warm.
+                # Not the ranks (gloo's sockets are no store), nor this process.
+                marked = set(marked_processes(run_id, RUN_ID_ENV))
+                ranks = set(RunFolder(run_dir, run_id).rank_pids(2))
+                for agent in (marked | {parent_of(pid) for pid in marked}) - ranks - {os.getpid()}:
+                    ports |= listening_ports_of(agent)  # its stores: the rendezvous's, the one its workers share
+
+            time.sleep(0.1)
+        assert ports, "the run's stores were not found"
+        attack = as_user(other_user, [sys.executable, str(attacker), str(proof), *map(str, ports)])
+        attack_output = attack.communicate(timeout=90)[0]
+        # The agent reads the state again at its next heartbeat (every 5 s, keep_alive_interval in
+        # dynamic_rendezvous.py): then the pickle runs, or the refusal is logged.
+        log, refusal = RunFolder(run_dir).torchrun_log, "does not carry this job's signature"
+        deadline = time.monotonic() + 60
+        while not (proof.exists() or refusal in log.read_text(errors="replace")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        release.touch()
+        launch.join(120)
+    assert "wrote torch.rendezvous." in attack_output, f"the attack never reached the store: {attack_output}"
+    assert not proof.exists(), f"the other user's pickle ran as the learner: {proof.read_text()}"
+    assert refusal in log.read_text(errors="replace"), log.read_text(errors="replace")[-3000:]
+
+
+ATTACK_PORTS = textwrap.dedent(
+    '''
+    import base64, os, pickle, sys
+    from datetime import timedelta
+    import torch.distributed as dist
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"id > {sys.argv[1]}",))
+
+    for attempt in range(5):  # a port that does not answer in time under load is tried again
+        for port in map(int, sys.argv[2:]):
+            try:
+                store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+                # the state itself (torch.rendezvous.<id>), not the keys the agents keep below it
+                keys = [key for key in store.list_keys() if key.startswith("torch.rendezvous.") and "/" not in key]
+            except Exception as error:
+                print("port", port, "no store:", type(error).__name__, flush=True)
+                continue
+            for key in keys:
+                store.set(key, base64.b64encode(pickle.dumps(Payload())).decode())
+                print("wrote", key, flush=True)
+                sys.exit(0)
+    '''
+)

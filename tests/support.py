@@ -88,7 +88,8 @@ OWN_SOCKETS_SOURCE = textwrap.dedent(
                 for line in f.readlines()[1:]:
                     fields = line.split()
                     if fields[9] in inodes:
-                        found.append({"local": fields[1].rsplit(":", 1)[0], "state": fields[3]})
+                        local, port = fields[1].rsplit(":", 1)
+                        found.append({"local": local, "port": int(port, 16), "state": fields[3]})
         return found
     '''
 )

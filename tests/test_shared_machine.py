@@ -377,22 +377,9 @@ def parent_of(pid: int) -> int:
 
 def listening_ports_of(pid: int) -> set[int]:
     """The TCP ports process `pid` listens on (IPv4 and IPv6)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+    namespace: dict = {}
+    exec(OWN_SOCKETS_SOURCE, namespace)
+    return {found["port"] for found in namespace["own_tcp_sockets"](pid) if found["state"] == "0A"}
 
 
 @needs_root

@@ -173,7 +173,7 @@ def _become_child(request: dict, fds: list[int], go: int) -> None:
         import torch
 
         # What torch chose at import here, from the same OMP_NUM_THREADS (a launch with another value runs cold):
-        # a fresh process's choice, which is not always that value (torch caps it at the cores it finds).
+        # a fresh process's choice, which is not always that value (measured: OMP_NUM_THREADS=3 on 2 cores gave 2).
         torch.set_num_threads(_torch_threads_at_import)
         if request["role"] == "supervisor":
             from . import supervisor

@@ -1,9 +1,26 @@
 #!/usr/bin/env bash
-# Sourced by the other scripts: makes sure .venv exists and holds what pyproject.toml asks for.
-# Re-installs only when pyproject.toml changed since the last install (a stamp file records its hash).
+# Sourced by the other scripts: makes sure .venv exists and holds what pyproject.toml asks for, with the
+# tested torch. Re-installs only when pyproject.toml or the torch asked for changed since the last install
+# (a stamp file records them).
+#   DDP_LESSONS_TORCH=2.8.0 scripts/run_tests.sh ...   the same, in .venv-torch-2.8.0 with that torch
+#   (PyPI's build: on Linux x86_64 a CUDA build, several GB, which runs on CPU too)
 set -euo pipefail
 project_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="$project_root/.venv"
+# The torch the course's own environment installs (environment.yml pins the same; pyproject.toml asks for a
+# range around it, so that an install into a learner's environment keeps their torch). tests/test_project.py
+# keeps the three in step.
+tested_torch="2.13.0"
+if [ -n "${DDP_LESSONS_TORCH:-}" ]; then
+    if ! [[ "$DDP_LESSONS_TORCH" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
+        echo "DDP_LESSONS_TORCH is a torch version such as 2.8.0 (got '$DDP_LESSONS_TORCH')." >&2
+        exit 2
+    fi
+    torch_version="$DDP_LESSONS_TORCH"
+    venv="$project_root/.venv-torch-$torch_version"
+else
+    torch_version="$tested_torch"
+    venv="$project_root/.venv"
+fi
 python_for_venv="${PYTHON:-python3}"
 
 if ! "$python_for_venv" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
@@ -14,10 +31,11 @@ if [ ! -x "$venv/bin/python" ]; then
     echo "Creating the environment in $venv (first run only; a few minutes) ..." >&2
     "$python_for_venv" -m venv "$venv"
 fi
-wanted_stamp="$(sha256sum "$project_root/pyproject.toml" | cut -d' ' -f1)"
+wanted_stamp="$(sha256sum "$project_root/pyproject.toml" | cut -d' ' -f1) torch==$torch_version"
 stamp_file="$venv/.ddp-lessons-installed"
 if [ "$(cat "$stamp_file" 2>/dev/null)" != "$wanted_stamp" ]; then
-    "$venv/bin/python" -m pip install --quiet -e "$project_root[test]" >&2
+    # One resolve: pyproject's range admits the torch asked for, or pip says they conflict.
+    "$venv/bin/python" -m pip install --quiet "torch==$torch_version" -e "$project_root[test]" >&2
     echo "$wanted_stamp" > "$stamp_file"
 fi
 # JupyterLab settings the project ships: pip installs them with the package; refreshed here when

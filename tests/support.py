@@ -10,6 +10,7 @@ from pathlib import Path
 from ddp_helpers import launch, make_launch_config
 from ddp_helpers.config import Hardware
 from ddp_helpers.processes import marked_processes
+from ddp_helpers.torch_compat import GLOO_CONNECTION_LINE
 
 
 def course_notebooks() -> list[Path]:
@@ -40,6 +41,12 @@ def exercise_cells(notebook: str, first_line_starts: str = "%%torchrun --name ex
 def run_on_cpu(script: Path, nproc: int = 2, **options):
     """Launch on gloo CPU ranks as a laptop would, whatever this machine has."""
     return launch(make_launch_config(script, nproc=nproc, backend="gloo", hardware=Hardware(()), **options))
+
+
+def printed_by_the_script(text: str) -> str:
+    """A rank's output without the line gloo prints as it connects under torch 2.10 and older
+    (`torch_compat.GLOO_CONNECTION_LINE`): what the script itself printed."""
+    return "".join(line for line in text.splitlines(keepends=True) if not GLOO_CONNECTION_LINE.match(line))
 
 
 def failure_report(run) -> str:

@@ -13,7 +13,8 @@ import torch
 from ddp_helpers.config import LaunchError, make_launch_config
 from ddp_helpers.local_engine import HANG_REPORT_WAIT_S, STACK_DUMP_WAIT_S, STOP_BOUND_S
 from ddp_helpers.run_folder import RUN_ID_ENV
-from support import LOOPBACK_HEX, OWN_SOCKETS_SOURCE, failure_report, hold_port, processes_left, run_on_cpu
+from support import (LOOPBACK_HEX, OWN_SOCKETS_SOURCE, failure_report, hold_port, printed_by_the_script, processes_left,
+                     run_on_cpu)
 
 LEAKED_FROM_AN_OUTER_TORCHRUN = {
     "RANK": "5", "WORLD_SIZE": "7", "LOCAL_RANK": "5", "MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "1",
@@ -60,7 +61,7 @@ def healthy_run(tmp_path_factory):
 
 def test_each_rank_output_is_kept_apart(healthy_run):
     for r in healthy_run.ranks:
-        assert r.stdout == f"line one from rank {r.rank}\nline two from rank {r.rank}\n"
+        assert printed_by_the_script(r.stdout) == f"line one from rank {r.rank}\nline two from rank {r.rank}\n"
         assert f"warning from rank {r.rank}" in r.stderr
         assert r.exit_code == 0
 

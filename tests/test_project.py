@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 from support import course_notebooks
 
@@ -35,17 +37,54 @@ def test_notebooks_are_numbered(notebook):
 
 
 def _requirement_names(requirements) -> set[str]:
-    return {re.split(r"[\s;]", r, maxsplit=1)[0] for r in requirements}
+    return {Requirement(r).name for r in requirements}
+
+
+def _pyproject_requirements() -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return set(project["dependencies"]) | set(project["optional-dependencies"]["test"])
+
+
+def _environment_yml_requirements() -> set[str]:
+    conda_env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip_section = next(d["pip"] for d in conda_env["dependencies"] if isinstance(d, dict))
+    return {r for r in pip_section if not r.startswith("-e")}
+
+
+def _torch_requirement(requirements) -> Requirement:
+    return next(Requirement(r) for r in requirements if Requirement(r).name == "torch")
+
+
+def _tested_torch() -> str:
+    return re.search(r'^tested_torch="([^"]+)"', (ROOT / "scripts" / "ensure_env.sh").read_text(), re.M).group(1)
 
 
 def test_environment_yml_lists_the_same_packages_as_pyproject():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    pip_path = set(project["dependencies"]) | set(project["optional-dependencies"]["test"])
-    conda_env = yaml.safe_load((ROOT / "environment.yml").read_text())
-    pip_section = next(d["pip"] for d in conda_env["dependencies"] if isinstance(d, dict))
-    conda_path = {r for r in pip_section if not r.startswith("-e")}
+    pip_path, conda_path = _pyproject_requirements(), _environment_yml_requirements()
     assert _requirement_names(conda_path) == _requirement_names(pip_path)
-    assert conda_path == pip_path, "versions differ between environment.yml and pyproject.toml"
+    # torch aside (a range in the package, the tested pin in the course's environments), the same versions.
+    assert {r for r in conda_path if not r.startswith("torch")} == {r for r in pip_path if not r.startswith("torch")}
+
+
+def test_the_course_environments_pin_the_tested_torch_inside_the_packages_range():
+    package_range = _torch_requirement(_pyproject_requirements()).specifier
+    pin = _torch_requirement(_environment_yml_requirements())
+    assert str(pin.specifier) == f"=={_tested_torch()}", "environment.yml and ensure_env.sh pin different torch"
+    assert _tested_torch() in package_range, f"the tested torch {_tested_torch()} is outside pyproject's {package_range}"
+
+
+def test_the_packages_torch_range_is_what_torch_compat_states():
+    from ddp_helpers import torch_compat
+
+    package_range = _torch_requirement(_pyproject_requirements()).specifier
+    lowest, newest = torch_compat.LOWEST, torch_compat.NEWEST_CHECKED
+    assert {str(s) for s in package_range} == {f">={lowest[0]}.{lowest[1]}", f"<{newest[0]}.{newest[1] + 1}"}
+    # pip keeps a learner's torch anywhere in the range, a CUDA build's local label included.
+    for version in ("2.10.0", "2.11.0+cu130", "2.13.0", "2.13.1"):
+        assert Version(version) in package_range, version
+    for version in ("2.9.1", "2.14.0"):
+        assert Version(version) not in package_range, version
+    assert all(Version(v) in package_range for v in torch_compat.CHECKED)
 
 
 def test_ci_runs_the_readme_test_command():

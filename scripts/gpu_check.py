@@ -1,0 +1,290 @@
+"""The GPU check: the course's nccl path on this machine's NVIDIA GPUs, with the torch installed here.
+`scripts/gpu_check.sh` runs it (after installing the pure-Python packages it needs from a bundle of wheels,
+offline); `python scripts/gpu_check.py` runs it where they are installed already.
+
+It prints one line per check, then a summary. Exit code: 0 every check held, 1 one failed, 3 no GPU (it says
+what it would run, and checks nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(PROJECT))
+NO_GPU_EXIT = 3
+LESSON_TIMEOUT_S = 600
+
+# What runs, in order: printed as the plan where there is no GPU.
+PLAN = (
+    ("detection", "lesson 0's hardware detection: nccl chosen with 2 GPUs or more; with one, gloo by default "
+                  "and --backend nccl -n 1 accepted"),
+    ("warm launch", "a warm nccl launch (one rank per GPU, at most 2): an all_reduce on the GPUs, and the warm "
+                    "process never initialised CUDA before the fork (torch.cuda._is_in_bad_fork() false)"),
+    ("cold launch", "the same all_reduce launched cold (--cold)"),
+    ("lessons 0-6", "with 2 GPUs or more: every lesson whole, as scripts/launch_lesson.sh N runs it (nccl by "
+                    "default, the checks included); with one GPU: every %%torchrun cell whose world can be 1, "
+                    "on nccl at world 1 (--backend nccl -n 1), without the checks that need 2 ranks"),
+    ("exercise checker", "lesson 0's exercise on nccl: the solution judged right, the cell as given judged wrong "
+                         "(2 GPUs or more)"),
+    ("hang report", "a rank that skips an all_reduce on nccl: the report names the collective and the rank, "
+                    "with stacks (2 GPUs or more)"),
+    ("all-reduce benchmark", "benchmarks/allreduce.py on nccl, up to 64 MiB (2 GPUs or more)"),
+)
+
+results: list[tuple[str, bool | None, str]] = []  # (check, held / failed / skipped, detail)
+
+
+def report(check: str, held: bool | None, detail: str) -> None:
+    mark = {True: "✓", False: "✗", None: "–"}[held]
+    results.append((check, held, detail))
+    print(f"{mark} {check}: {detail}", flush=True)
+
+
+def write(folder: Path, name: str, body: str) -> Path:
+    path = folder / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+ALL_REDUCE = """
+    import os
+    import torch
+    import torch.distributed as dist
+    from ddp_helpers import record
+
+    record("bad_fork", torch.cuda._is_in_bad_fork())  # True where the parent had initialised CUDA (torch/cuda/__init__.py)
+    record("initialised_at_start", torch.cuda.is_initialized())
+    record("parent", os.getppid())  # the warm process, where the launch was warm
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    value = torch.full((1,), float(dist.get_rank() + 1), device=device)
+    dist.all_reduce(value)
+    record("sum", value.item())
+    record("device", torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    dist.destroy_process_group()
+"""
+
+HANG = """
+    import os
+    from datetime import timedelta
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=60))
+    value = torch.ones(4, device=device)
+    dist.all_reduce(value)
+    if dist.get_rank() == 0:
+        dist.all_reduce(value)  # rank 1 never calls this one
+        value.cpu()  # waits for it on a GPU too
+    else:
+        import time
+        time.sleep(120)
+"""
+
+
+def check_detection(gpus: int) -> None:
+    from ddp_helpers.config import detect_hardware
+    from ddp_helpers import make_launch_config
+
+    hardware = detect_hardware()
+    expected = "nccl" if gpus >= 2 else "gloo"
+    report("detection", hardware.default_backend == expected,
+           f"{hardware.describe()}; default backend {hardware.default_backend!r} (expected {expected!r})")
+    if gpus == 1:
+        try:
+            config = make_launch_config(PROJECT / "scripts" / "gpu_check.py", nproc=1, backend="nccl")
+            report("detection", config.backend == "nccl", "--backend nccl -n 1 is accepted on one GPU")
+        except Exception as error:  # noqa: BLE001 - the check reports whatever refused it
+            report("detection", False, f"--backend nccl -n 1 refused: {error}")
+
+
+def check_all_reduce(folder: Path, world: int, cold: bool, backend: str = "nccl") -> None:
+    from ddp_helpers import launch, make_launch_config, warm
+    from ddp_helpers.launcher import prepare_warm_launches
+
+    name = "cold launch" if cold else "warm launch"
+    if not cold and not prepare_warm_launches():
+        report(name, False, "the warm process did not start")
+        return
+    script = write(folder, f"all_reduce_{'cold' if cold else 'warm'}.py", ALL_REDUCE)
+    run = launch(make_launch_config(script, nproc=world, backend=backend, cold=cold, stream=False, timeout_s=180))
+    if not run.ok:
+        report(name, False, f"the run failed: {run.summary()}")
+        return
+    expected = world * (world + 1) / 2
+    sums, bad_fork = run.facts("sum"), run.facts("bad_fork")
+    forked = run.facts("parent") == [warm._ZYGOTE.process.pid] * world if not cold else True
+    held = (all(abs(s - expected) < 1e-6 for s in sums) and not any(bad_fork)
+            and not any(run.facts("initialised_at_start")) and forked)
+    report(name, held, f"{world} rank(s) on {run.ranks[0].facts['device']}"
+                       + ("" if cold else f", forked from the warm process: {forked}")
+                       + f"; all_reduce gave {sums} (expected {expected:g} each); CUDA initialised before the "
+                         f"fork: {any(bad_fork)}")
+
+
+def run_whole_lesson(number: int) -> tuple[bool, str]:
+    process = subprocess.run([sys.executable, "-m", "ddp_helpers.lesson_runner", str(number)], cwd=PROJECT,
+                             capture_output=True, text=True, timeout=LESSON_TIMEOUT_S)
+    last = [line for line in (process.stdout + process.stderr).splitlines() if line.strip()][-1:]
+    return process.returncode == 0, (last[0] if last else "")
+
+
+def run_cells_at_world_one(notebook: Path, backend: str = "nccl") -> tuple[int, list[str]]:
+    """Every %%torchrun cell of the lesson whose options allow one rank, at world 1. The checks between them are
+    left out (they count two ranks or more). Returns how many ran, and the failures."""
+    import nbformat
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "ddp_helpers")
+    ran, failures = 0, []
+    for index, cell in enumerate(c for c in nbformat.read(notebook, as_version=4).cells if c.cell_type == "code"):
+        first, _, body = cell.source.partition("\n")
+        if not first.startswith("%%torchrun") or any(option in first for option in
+                                                     ("--nnodes", "--slurm", "--kill-rank", "--join-after", "--may-fail")):
+            continue
+        options = [word for word in first.split()[1:]]
+        for flag in ("-n", "--nproc", "--backend"):  # drop the cell's world and backend
+            while flag in options:
+                at = options.index(flag)
+                del options[at:at + 2]
+        result = shell.run_cell(f"%%torchrun --backend {backend} -n 1 {' '.join(options)}\n{body}")
+        ran += 1
+        if not result.success:
+            failures.append(f"code cell {index + 1}: {result.error_in_exec!r}"[:200])
+    return ran, failures
+
+
+def check_lessons(gpus: int) -> None:
+    from ddp_helpers.lesson_runner import available_lessons
+
+    for number, notebook in available_lessons().items():
+        started = time.monotonic()
+        if gpus >= 2:
+            held, last = run_whole_lesson(number)
+            report(f"lesson {number}", held, f"whole lesson in {time.monotonic() - started:.0f} s: {last}")
+        else:
+            ran, failures = run_cells_at_world_one(notebook)
+            report(f"lesson {number}", not failures,
+                   f"{ran - len(failures)} of {ran} %%torchrun cells ran on nccl at world 1"
+                   + (f"; failed: {'; '.join(failures)}" if failures else ""))
+
+
+def check_exercise(folder: Path, gpus: int, backend: str = "nccl") -> None:
+    if gpus < 2:
+        report("exercise checker", None, "needs 2 GPUs")
+        return
+    from ddp_helpers import launch, make_launch_config
+    from ddp_helpers.lessons.lesson0 import check_mean_exercise
+
+    preamble = """
+        import os
+        import torch
+        import torch.distributed as dist
+        from ddp_helpers import record
+
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        number = torch.tensor([float(rank + 1) ** 2], device="cuda" if cuda else "cpu")
+    """
+    solution = preamble + """
+        mean = number.clone()
+        dist.all_reduce(mean)
+        mean /= world_size
+        record("mean", mean.item())
+        dist.destroy_process_group()
+    """
+    as_given = preamble + """
+        mean = number
+        record("mean", mean.item())
+        dist.destroy_process_group()
+    """
+    verdicts = {}
+    for name, body in (("solution", solution), ("as_given", as_given)):
+        script = write(folder, f"exercise_{name}.py", body)
+        run = launch(make_launch_config(script, nproc=2, backend=backend, stream=False, timeout_s=180))
+        verdicts[name] = check_mean_exercise(run)
+    right, wrong = not verdicts["solution"].mistakes, bool(verdicts["as_given"].mistakes)
+    report("exercise checker", right and wrong,
+           f"the solution judged {'right' if right else 'wrong: ' + '; '.join(verdicts['solution'].mistakes)}, "
+           f"the cell as given judged {'wrong' if wrong else 'right'}")
+
+
+def check_hang_report(folder: Path, gpus: int, backend: str = "nccl") -> None:
+    if gpus < 2:
+        report("hang report", None, "needs 2 GPUs (nccl cannot put two ranks on one GPU)")
+        return
+    from ddp_helpers import launch, make_launch_config
+
+    run = launch(make_launch_config(write(folder, "hang.py", HANG), nproc=2, backend=backend, stream=False,
+                                    timeout_s=30))
+    cause = run.hang.cause if run.hang else ""
+    report("hang report", bool(run.timed_out and run.hang and "all_reduce" in cause and "1" in cause),
+           f"timed out: {run.timed_out}; the report says: {cause or 'nothing'}")
+
+
+def check_benchmark(gpus: int) -> None:
+    if gpus < 2:
+        report("all-reduce benchmark", None, "needs 2 GPUs")
+        return
+    process = subprocess.run([sys.executable, str(PROJECT / "benchmarks" / "allreduce.py"), "--max-mib", "64"],
+                             cwd=PROJECT, capture_output=True, text=True, timeout=LESSON_TIMEOUT_S)
+    print(textwrap.indent(process.stdout.strip(), "    "), flush=True)
+    report("all-reduce benchmark", process.returncode == 0, f"exit code {process.returncode}")
+
+
+def main() -> int:
+    import torch
+
+    from ddp_helpers.torch_compat import report as torch_report
+
+    gpus = torch.cuda.device_count()
+    print(torch_report())
+    if gpus == 0:
+        print("No NVIDIA GPU found here (torch.cuda.device_count() is 0, torch built for "
+              f"{'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU only'}): nothing was checked. "
+              "On a machine with GPUs this check runs:")
+        for check, what in PLAN:
+            print(f"  - {check}: {what}")
+        return NO_GPU_EXIT
+    print(f"{gpus} GPU(s), torch {torch.__version__}, CUDA {torch.version.cuda}, nccl "
+          f"{'.'.join(map(str, torch.cuda.nccl.version()))}\n", flush=True)
+    world = min(gpus, 2)
+    with tempfile.TemporaryDirectory(prefix="ddp-gpu-check-") as scratch:
+        folder = Path(scratch)
+        steps = [lambda: check_detection(gpus), lambda: check_all_reduce(folder, world, cold=False),
+                 lambda: check_all_reduce(folder, world, cold=True), lambda: check_lessons(gpus),
+                 lambda: check_exercise(folder, gpus), lambda: check_hang_report(folder, gpus),
+                 lambda: check_benchmark(gpus)]
+        for (check, _), step in zip(PLAN, steps):
+            try:
+                step()
+            except Exception as error:  # noqa: BLE001 - one broken check must not hide the others
+                report(check, False, f"{type(error).__name__}: {error}")
+    failed = [r for r in results if r[1] is False]
+    held = [r for r in results if r[1] is True]
+    skipped = [r for r in results if r[1] is None]
+    print(f"\nSummary: {len(held)} held, {len(failed)} failed, {len(skipped)} skipped, on {gpus} GPU(s) with torch "
+          f"{torch.__version__}." + (f" Failed: {', '.join(r[0] for r in failed)}." if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

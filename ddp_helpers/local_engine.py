@@ -39,6 +39,7 @@ from .processes import kill_marked, kill_process_groups, process_is_dead, run_de
 from .run_folder import IMPORT_DIR_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder
 from .supervisor_spec import SupervisorSpec
 from .text_in_file import TextInFile
+from .torch_compat import rank_environment
 from .warm import WarmProcess, WarmRefused, current_umask, warm_zygote, what_happened_to_the_warm_process
 
 _STUB = str(Path(__file__).resolve().parent / "_zygote_stub.py")
@@ -67,6 +68,8 @@ def child_environment(config: LaunchConfig, run_id: str, base: dict[str, str] | 
         # (pytorch issues 135712, 167288): 7 of 10 restarts failed here, 0 of 12 with it. Agents joining
         # or leaving a rendezvous need it too.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    for key, value in rank_environment().items():  # the flight recorder on, whatever the torch (torch_compat)
+        env.setdefault(key, value)
     env.update(config.extra_env)
     package_parent = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)

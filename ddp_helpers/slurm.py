@@ -41,6 +41,7 @@ from .engine import ClusterJob, Ending, Engine, LaunchRequest
 from .errors import LaunchError
 from .result import NEVER_LEFT_THE_QUEUE
 from .run_folder import IMPORT_DIR_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder
+from .torch_compat import rank_environment
 
 MAX_SLURM_NODES = 64
 POLL_INTERVAL_S = 0.5
@@ -133,7 +134,10 @@ def job_script(config: LaunchConfig, run_id: str) -> str:
                _hang_probe.REQUESTS_ENV: "file",  # a timed-out job's ranks are asked through the shared folder
                **({IMPORT_DIR_ENV: str(config.import_dir)} if config.import_dir else {}),
                # restarts (--max-restarts) reconnect only without the agent's shared store (torch 2.13)
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **config.extra_env}
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+               # the flight recorder on, whatever the torch (sbatch passes the submitter's environment on)
+               **{key: value for key, value in rank_environment().items() if key not in os.environ},
+               **config.extra_env}
     worker = " ".join(shlex.quote(a) for a in ("-m", "ddp_helpers._bootstrap", str(config.script), *config.script_args))
     lines = [
         "#!/bin/bash",

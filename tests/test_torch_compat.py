@@ -73,3 +73,16 @@ def test_gloo_prints_its_connections_exactly_where_lesson_0_says(write_script):
     expected = torch_compat.release(torch.__version__) <= torch_compat.GLOO_PRINTS_ITS_CONNECTIONS_UP_TO
     assert bool(printed) == expected, [r.stdout for r in run.ranks]
     assert ("[Gloo] Rank N is connected" in torch_compat.report()) == expected
+
+
+def test_the_flight_recorder_records_a_ranks_collectives_whatever_the_torch(write_script):
+    # torch 2.10's keeps nothing unless told to; the hang report and the checkers read what it keeps.
+    from support import run_on_cpu
+
+    script = write_script("recorded", "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                                      "dist.all_reduce(torch.ones(2))\ndist.all_reduce(torch.ones(3))\n"
+                                      "dist.destroy_process_group()\n")
+    run = run_on_cpu(script, stream=False)
+    assert run.ok
+    assert [[c["op"] for c in r.collectives] for r in run.ranks] == [["all_reduce", "all_reduce"]] * 2, \
+        [r.collectives for r in run.ranks]

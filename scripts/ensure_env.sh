@@ -2,7 +2,7 @@
 # Sourced by the other scripts: makes sure .venv exists and holds what pyproject.toml asks for, with the
 # tested torch. Re-installs only when pyproject.toml or the torch asked for changed since the last install
 # (a stamp file records them).
-#   DDP_LESSONS_TORCH=2.8.0 scripts/run_tests.sh ...   the same, in .venv-torch-2.8.0 with that torch
+#   DDP_LESSONS_TORCH=2.10.0 scripts/run_tests.sh ...   the same, in .venv-torch-2.10.0 with that torch
 #   (PyPI's build: on Linux x86_64 a CUDA build, several GB, which runs on CPU too)
 set -euo pipefail
 project_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -12,7 +12,7 @@ project_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 tested_torch="2.13.0"
 if [ -n "${DDP_LESSONS_TORCH:-}" ]; then
     if ! [[ "$DDP_LESSONS_TORCH" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]]; then
-        echo "DDP_LESSONS_TORCH is a torch version such as 2.8.0 (got '$DDP_LESSONS_TORCH')." >&2
+        echo "DDP_LESSONS_TORCH is a torch version such as 2.10.0 (got '$DDP_LESSONS_TORCH')." >&2
         exit 2
     fi
     torch_version="$DDP_LESSONS_TORCH"

@@ -145,3 +145,15 @@ def test_the_tests_run_the_committed_course_not_a_learners_working_copy(tmp_path
     assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout + done.stderr
     assert "differ in your working tree: 01_lesson.ipynb, 01_lesson-Copy1.ipynb" in done.stdout
     assert lesson.read_bytes() == edited, "the learner's working copy was changed"
+
+
+@pytest.mark.parametrize("asked", ["latest", "2.10", "torch==2.10.0", "2.10.0; rm -rf ~"])
+def test_another_torch_for_the_scripts_is_a_version_number(asked):
+    # DDP_LESSONS_TORCH=2.10.0 makes .venv-torch-2.10.0; anything else is refused before a venv is made.
+    import subprocess
+
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "launch_lesson.sh"), "0"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "DDP_LESSONS_TORCH": asked})
+    assert done.returncode == 2, done.stderr
+    assert f"DDP_LESSONS_TORCH is a torch version such as 2.10.0 (got '{asked}')." in done.stderr
+    assert not list(ROOT.glob(".venv-torch-[!0-9]*")), "no venv may be made for a name that is no version"

@@ -5,6 +5,7 @@ Public API (see README.md):
     SlurmJob                                 make_launch_config(script, cluster=SlurmJob(nodes=2))
     RunResult, RankResult, RunFailed, LaunchError
     record, RecordError                      script side: save a value for the notebook
+    rank_secret                              script side: a number only this rank is handed (exercises' data)
     %load_ext ddp_helpers                    the %%torchrun cell magic
 
 This module stays light: ranks import it to call `record`, which loads only `recording` and the run
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-from .recording import RecordError, record
+from .recording import RecordError, rank_secret, record
 
 # Name -> module, loaded when first asked for (PEP 562): a rank never loads the launcher.
 _LAUNCHER_SIDE = {
@@ -57,5 +58,5 @@ def load_ipython_extension(ipython) -> None:
 
 __all__ = [
     "LaunchConfig", "LaunchError", "make_launch_config", "launch", "run_script", "SlurmJob",
-    "RunResult", "RankResult", "RunFailed", "record", "RecordError", "load_ipython_extension",
+    "RunResult", "RankResult", "RunFailed", "record", "RecordError", "rank_secret", "load_ipython_extension",
 ]

@@ -37,7 +37,8 @@ import types
 
 from . import _all_reduce_log, _hang_probe, _point_to_point
 from .processes import die_with_parent, start_time
-from .run_folder import AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, IMPORT_DIR_ENV, RankErrorRecord, RankIdentity, RunFolder
+from .run_folder import (AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, IMPORT_DIR_ENV, SECRET_ENV, RankErrorRecord, RankIdentity,
+                         RunFolder)
 
 _BUFFERED_FILE_TYPES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 _open_stack_file = None  # kept alive: faulthandler writes into it from its signal handler
@@ -361,6 +362,9 @@ def _join_run_folder(folder: RunFolder, rank: int):
         print(f"{ATTEMPT_MARK} attempt {attempt} of rank {rank} begins (restart count {restart}, world "
               f"size {os.environ.get('WORLD_SIZE')})")
     folder.clear_error(rank)  # an earlier attempt's, before a restart
+    # Only this process is handed it: an exercise's data comes from it (ddp_helpers.rank_secret), so that no
+    # rank can compute another's without asking it, through a collective.
+    os.environ[SECRET_ENV] = str(folder.rank_secret(rank))
     request = folder.read_own_json(folder.kill_request)
     if request and request.get("rank") == rank and restart == 0:
         # Both text streams (logging writes to stderr); what bypasses them (sys.stdout.buffer, a subprocess) the

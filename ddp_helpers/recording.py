@@ -24,7 +24,7 @@ import os
 import re
 import sys
 
-from .run_folder import RunFolder, write_atomically
+from .run_folder import SECRET_ENV, RunFolder, write_atomically
 
 _VALID_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")  # it names a file: at most 200 characters
 _WHAT_TO_PASS = (
@@ -177,3 +177,19 @@ def _for_torch_save(value, torch):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise _Unstorable(value)
+
+
+_OWN_SECRET: list[int] = []
+
+
+def rank_secret() -> int:
+    """A number only this rank's process is handed, drawn at random for each launch (the same after a
+    restart): an exercise's data comes from it, so that no rank can compute another's without asking it, and
+    its checker reads every rank's from the run folder. Outside the launcher, a number drawn once per process."""
+    if os.environ.get(SECRET_ENV, "").isdigit():
+        return int(os.environ[SECRET_ENV])
+    if not _OWN_SECRET:
+        import secrets
+
+        _OWN_SECRET.append(secrets.randbits(62))
+    return _OWN_SECRET[0]

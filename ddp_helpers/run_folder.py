@@ -13,6 +13,8 @@
         rank0.writes.json            the files rank 0's script wrote, seen by the bootstrap (`RankEvidence`)
         rank0.p2p.json               its send/recv calls; rank0.collectives.json: its collectives (flight recorder)
         rank0.all_reduced.json       what its script handed to all_reduce (values of small tensors)
+        rank0.secret                 a number only rank 0's process is handed (DDP_HELPERS_RANK_SECRET), drawn at
+                                     its first attempt: an exercise's data comes from it, and its checker reads it
         rank0.stack                  every thread's stack, written when a timed-out run asks (SIGUSR1)
         rank0.hang.request           a named pipe: the launcher opens it when a run times out, and rank 0
                                      answers with rank0.hang.json, what it waits in (`_hang_probe`)
@@ -33,11 +35,12 @@ No other module spells these names: each file has its methods here.
 - Written by the ranks (light: no torch import): `from_environment()`, `write_identity(RankIdentity)`,
   `write_error(RankErrorRecord)`, `clear_error(rank)`, `write_exit(rank, code)`,
   `write_evidence(rank, files_written=, point_to_point=, all_reduced=, collectives=)`, `write_hang_answer(rank, answer)`,
-  `belongs_to_this_launch()`.
+  `belongs_to_this_launch()`, `rank_secret(rank)` (drawn once, then read).
 - Written by the supervisor: `write_outcome(outcome, agent=None)`.
 - Read by the launcher: `claim(path)`, `start_launch(run_id)`, `release()`, `read_identity(rank)`,
   `rank_pid(rank)`, `rank_pids(world_size)`, `read_error(rank)`, `read_exit_code(rank)`,
-  `read_evidence(rank)`, `read_hang_answer(rank)`, `read_outcome(agent=None)`, `read_text(path)`.
+  `read_evidence(rank)`, `read_hang_answer(rank)`, `read_outcome(agent=None)`, `read_text(path)`,
+  `read_secret(rank)` (for checkers).
 
 Safety rules:
 - Only a folder that carries the marker is ever emptied; an existing folder without it is refused
@@ -57,6 +60,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, fields
@@ -71,6 +75,8 @@ RUN_ID_ENV = "DDP_HELPERS_RUN_ID"
 AGENT_PID_ENV = "DDP_HELPERS_AGENT_PID"
 # Which of the run's torchrun agents ("machines") started a rank.
 AGENT_ENV = "DDP_HELPERS_AGENT"
+# The number only this rank's process is handed (`RunFolder.rank_secret`), in its environment.
+SECRET_ENV = "DDP_HELPERS_RANK_SECRET"
 # Starts the line a restarted rank prints first on stdout: where its new attempt begins.
 ATTEMPT_MARK = "[ddp_helpers] ---"
 MARKER_NAME = ".ddp_helpers-run"
@@ -261,6 +267,15 @@ class RunFolder:
         """Write a JSON object stamped with this launch's id (the reader ignores other launches' files)."""
         write_atomically(path, json.dumps({**value, "run_id": self.run_id}).encode())
 
+    def rank_secret(self, rank: int) -> int:
+        """The rank's secret for this launch: drawn at its first attempt, the same after a restart."""
+        kept = self.read_secret(rank)
+        if kept is not None:
+            return kept
+        drawn = secrets.randbits(62)
+        write_atomically(self._rank_file(rank, "secret"), str(drawn).encode())
+        return drawn
+
     def write_identity(self, identity: RankIdentity) -> None:
         self.write_json(self._rank_file(identity.rank, "pid"), asdict(identity))
 
@@ -419,6 +434,10 @@ class RunFolder:
     def read_identity(self, rank: int) -> RankIdentity | None:
         """What the rank's latest attempt wrote about itself, or None if it never started."""
         return _from_json(RankIdentity, self.read_own_json(self._rank_file(rank, "pid")))
+
+    def read_secret(self, rank: int) -> int | None:
+        text = self.read_text(self._rank_file(rank, "secret")).strip()
+        return int(text) if text.isdigit() else None
 
     def rank_pid(self, rank: int) -> int | None:
         identity = self.read_identity(rank)

@@ -32,7 +32,7 @@ PLAN = (
     ("lessons 0-6", "with 2 GPUs or more: every lesson whole, as scripts/launch_lesson.sh N runs it (nccl by "
                     "default, the checks included); with one GPU: every %%torchrun cell whose world can be 1, "
                     "on nccl at world 1 (--backend nccl -n 1), without the checks that need 2 ranks"),
-    ("exercise checker", "lesson 0's exercise on nccl: the solution judged right, the cell as given judged wrong "
+    ("exercise checker", "lesson 0's exercise on nccl (and again on 3 CPU ranks): the solution judged right, the cell as given judged wrong "
                          "(2 GPUs or more)"),
     ("hang report", "a rank that skips an all_reduce on nccl: the report names the collective and the rank, "
                     "with stacks (2 GPUs or more)"),
@@ -215,13 +215,14 @@ def check_exercise(folder: Path, gpus: int, backend: str = "nccl") -> None:
         import torch
         import torch.distributed as dist
         from ddp_helpers import record
+        from ddp_helpers.lessons.lesson0 import my_number
 
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl" if cuda else "gloo")
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        number = torch.tensor([float(rank + 1) ** 2], device="cuda" if cuda else "cpu")
+        number = torch.tensor([my_number()], device="cuda" if cuda else "cpu")
     """
     solution = preamble + """
         mean = number.clone()

@@ -1,9 +1,12 @@
-"""Lesson 0's exercise (every rank learns the mean of numbers only each rank knows): the exercise as given
-and the wrong fixes are judged wrong, with what is wrong named; the solution passes."""
+"""Lesson 0's exercise (every rank learns the mean of numbers only each rank knows): each rank's number comes
+from its secret, which only that rank's process is handed, so no rank can write the others' numbers down. The
+exercise as given and the wrong fixes are judged wrong, each with its mistake named (never the fix); every
+collective route to the mean passes, at the cell's world size and at the one the checker runs it at too."""
 
 import pytest
 
-from ddp_helpers.lessons.lesson0 import check_mean_exercise
+from ddp_helpers.lessons.lesson0 import check_mean_exercise, number_of
+from ddp_helpers.run_folder import RunFolder
 from support import exercise_cells, failure_report, run_on_cpu
 
 GIVEN_MEAN = "mean = number  # every rank should end with the mean of all the ranks' numbers\n"
@@ -24,36 +27,66 @@ def judged(write_script, source: str, nproc: int = 2):
 def test_the_exercise_as_given_is_judged_wrong(write_script, sources):
     run, report = judged(write_script, sources[0])
     assert run.ok and not report.passed, failure_report(run)
-    assert "not every rank holds the mean of the 2 ranks' numbers (2.5): rank 0 holds 1, rank 1 holds 4" in str(report)
-    assert "rank(s) [0, 1] never handed their own number to a collective" in str(report)
-    assert "all_reduce" not in str(report), "the hints name the mistake, not the fix"
+    assert "ranks 0, 1 still hold only their own number" in str(report), str(report)
+    assert "how can every rank learn the others'?" in str(report)
+    assert "all_reduce" not in str(report) and "divide" not in str(report), "the hints name the mistake, not the fix"
 
 
-def test_the_solution_passes_on_two_and_three_ranks(write_script, sources):
-    for nproc, mean in ((2, "2.5"), (3, "4.66667")):
-        run, report = judged(write_script, sources[1], nproc)
-        assert run.ok and report.passed, f"{report}\n{failure_report(run)}"
-        assert f"mean of the {nproc} ranks' numbers, {mean}" in str(report)
+def test_each_run_draws_new_numbers_that_the_checker_reads_back(write_script, sources):
+    secrets = []
+    for _ in range(2):
+        run, _ = judged(write_script, sources[0])
+        folder = RunFolder(run.run_dir)
+        secrets.append([folder.read_secret(r.rank) for r in run.ranks])
+        printed = [r.stdout.split("my number ")[1].split(",")[0] for r in run.ranks]
+        assert printed == [f"{number_of(secret):g}" for secret in secrets[-1]], printed
+    assert len({*secrets[0], *secrets[1]}) == 4, secrets  # 62 random bits each: drawn per rank and per run
+
+
+RIGHT_FIXES = {
+    "all_reduce, then divide": "mean = number.clone()\ndist.all_reduce(mean)\nmean /= world_size\n",
+    "all_gather, then the mean": "gathered = [torch.zeros(1) for _ in range(world_size)]\n"
+                                 "dist.all_gather(gathered, number)\nmean = torch.cat(gathered).mean()\n",
+    "reduce to rank 0, then broadcast": "mean = number.clone()\ndist.reduce(mean, dst=0)\nmean /= world_size\n"
+                                        "dist.broadcast(mean, src=0)\n",
+    "all_gather_object": "numbers = [None] * world_size\ndist.all_gather_object(numbers, number.item())\n"
+                         "mean = torch.tensor([sum(numbers) / len(numbers)])\n",
+}
+
+
+@pytest.mark.parametrize("name", list(RIGHT_FIXES))
+def test_every_collective_route_to_the_mean_passes_at_two_world_sizes(write_script, sources, name):
+    run, report = judged(write_script, sources[0].replace(GIVEN_MEAN, RIGHT_FIXES[name]))
+    assert run.ok and report.passed, f"{report}\n{failure_report(run)}"
+    assert "on 2 ranks, every rank holds the mean" in str(report) and "on 3 ranks, every rank holds the mean" in str(report)
+
+
+def test_the_notebooks_solution_passes(write_script, sources):
+    run, report = judged(write_script, sources[1])
+    assert run.ok and report.passed, f"{report}\n{failure_report(run)}"
 
 
 WRONG_FIXES = {
-    # The formula every rank can compute alone: the right numbers, no communication.
-    "the formula on every rank": (GIVEN_MEAN, "mean = torch.tensor([sum((r + 1) ** 2 for r in range(world_size)) / "
-                                              "world_size])\n", "never handed their own number"),
-    # An all-reduce for show, of something else, and the formula.
-    "an all-reduce of ones beside the formula": (
-        GIVEN_MEAN, "dist.all_reduce(torch.ones(1))\nmean = torch.tensor([sum((r + 1) ** 2 for r in range(world_size)) / "
-                    "world_size])\n", "never handed their own number"),
-    # The sum, not the mean.
-    "the sum, not divided": (GIVEN_MEAN, "mean = number.clone()\ndist.all_reduce(mean)\n", "not every rank holds the mean"),
+    # An all-reduce for show, its result thrown away.
+    "an all-reduce for show": (f"dist.all_reduce(number.clone())\n{GIVEN_MEAN}", "still hold only their own number"),
+    "the sum, not divided": ("mean = number.clone()\ndist.all_reduce(mean)\n", "the sum of the ranks' numbers, not their mean"),
+    # Right on 2 ranks only: the checker's second run, on 3, shows it.
+    "a divisor written for 2 ranks": ("mean = number.clone()\ndist.all_reduce(mean)\nmean /= 2\n",
+                                      "hold the sum divided by 2, at a world of 3 ranks"),
+    # A side channel: the ranks pass their numbers through files.
+    "numbers passed through files": (
+        "open(f'number{rank}.txt', 'w').write(str(number.item()))\ndist.barrier()\n"
+        "mean = torch.tensor([sum(float(open(f'number{r}.txt').read()) for r in range(world_size)) / world_size])\n",
+        "the ranks wrote files"),
 }
 
 
 @pytest.mark.parametrize("name", list(WRONG_FIXES))
-def test_a_wrong_fix_does_not_pass(write_script, sources, name):
-    old, new, named = WRONG_FIXES[name]
-    run, report = judged(write_script, sources[0].replace(old, new))
+def test_a_wrong_fix_does_not_pass_and_its_mistake_is_named(write_script, sources, name):
+    new, named = WRONG_FIXES[name]
+    run, report = judged(write_script, sources[0].replace(GIVEN_MEAN, new))
     assert run.ok and not report.passed and named in str(report), f"{report}\n{failure_report(run)}"
+    assert len(report.mistakes) == 1, str(report)
 
 
 def test_one_rank_is_not_enough(write_script, sources):

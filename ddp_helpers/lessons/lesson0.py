@@ -1,28 +1,39 @@
 """Lesson 0 (check your set-up): the first exercise's checker.
 
-The exercise: each rank holds a number only it knows, (rank + 1) ** 2, and every rank must end holding
-the mean of all the ranks' numbers. As given, each rank records its own number. The checker computes the
-mean itself for the run's world size, and reads what each rank handed to `dist.all_reduce` (the
-launcher's log, `RankResult.all_reduced`): each rank's own number (or it divided by the world size) must
-be among them. So every rank computing the mean from the formula without communicating, or all-reducing
-something else, does not pass.
+The exercise: each rank holds a number only it knows, `my_number()`, and every rank must end holding the mean
+of all the ranks' numbers. The number comes from the rank's secret (`ddp_helpers.rank_secret`: drawn at
+random for each launch, handed to that rank's process alone), so no rank can compute another's: the ranks
+must bring their numbers together, and any collective that does (all_reduce, all_gather, reduce + broadcast,
+all_gather_object) is a right answer. The checker reads every rank's secret from the run folder and computes
+the mean itself; it then runs the learner's cell again at another world size, where a divisor written for
+the first one is wrong. Files written by the ranks are named: a side channel is not a collective.
 """
 
 from __future__ import annotations
 
 from ..exercises import ExerciseReport
+from ..recording import rank_secret
 from ..result import RunResult
+from ..run_folder import RunFolder
+
+# The other world size the cell is run at, after the one the learner chose.
+SECOND_WORLD_TIMEOUT_S = 60.0
 
 
-def own_number(rank: int) -> float:
-    """The number only `rank` knows in the exercise."""
-    return float(rank + 1) ** 2
+def number_of(secret: int) -> float:
+    """The exercise's number for a rank's secret: a whole number from 1 to 99."""
+    return float(1 + secret % 99)
 
 
-def check_mean_exercise(run: RunResult) -> ExerciseReport:
+def my_number() -> float:
+    """The number only this rank knows in the exercise (from its secret, drawn anew for each run)."""
+    return number_of(rank_secret())
+
+
+def check_mean_exercise(run: RunResult, *, second_world: bool = True) -> ExerciseReport:
     """Name what is wrong with the learner's run of the exercise, or confirm it."""
-    report = ExerciseReport(verdict_when_passed="All checks pass: every rank put in its own number, and every "
-                                                "rank holds the mean of all of them.")
+    report = ExerciseReport(verdict_when_passed="All checks pass: every rank holds the mean of all the ranks' "
+                                                "numbers, at two world sizes.")
     if not run.ok:
         report.mistakes.append("the run did not finish; fix the error shown above first")
         return report
@@ -30,31 +41,78 @@ def check_mean_exercise(run: RunResult) -> ExerciseReport:
     if world < 2:
         report.mistakes.append(f"run it on 2 ranks or more (it ran on {world}): one rank has nothing to combine")
         return report
+    if not _judge(run, report):
+        return report
+    if second_world:
+        from .. import run_script
+
+        other = 3 if world == 2 else 2
+        # On CPU ranks (a machine may have fewer GPUs than that): the cell asks for gloo anyway.
+        again = run_script(run.config.script, nproc=other, backend="gloo", stream=False,
+                           timeout_s=SECOND_WORLD_TIMEOUT_S, run_dir=run.run_dir.with_name(f"{run.run_dir.name}-at-{other}"))
+        if not again.ok:
+            report.mistakes.append(f"run again by the checker on {other} ranks, the cell failed: {again.summary()[:300]}")
+            return report
+        _judge(again, report)
+    return report
+
+
+def _judge(run: RunResult, report: ExerciseReport) -> bool:
+    """Add one verdict for `run` to `report`: the first mistake the ranks' means show, or the confirmation.
+    Returns whether the run passed."""
+    world = len(run.ranks)
     try:
         means = run.facts("mean")
     except KeyError:
         report.mistakes.append("keep the record('mean', ...) line: the checker reads it")
-        return report
-    expected = sum(own_number(rank) for rank in range(world)) / world
-    held = {rank: _as_number(mean) for rank, mean in enumerate(means)}
-    wrong = {rank: value for rank, value in held.items() if value is None or abs(value - expected) > 1e-6 * expected}
+        return False
+    folder = RunFolder(run.run_dir)
+    secrets = [folder.read_secret(r.rank) for r in run.ranks]
+    if None in secrets:
+        report.mistakes.append("the checker could not read every rank's number from the run folder; run the cell again")
+        return False
+    numbers = [number_of(secret) for secret in secrets]
+    total = sum(numbers)
+    expected = total / world
+    held = [_as_number(mean) for mean in means]
+    wrong = [rank for rank, value in enumerate(held) if not _close(value, expected)]
     if wrong:
-        report.mistakes.append(
-            f"not every rank holds the mean of the {world} ranks' numbers ({expected:g}): "
-            + ", ".join(f"rank {rank} holds {value if value is None else f'{value:g}'}" for rank, value in wrong.items())
-            + ". Each rank knows only its own number: how can every rank learn the others'?")
-    else:
-        report.confirmed.append(f"every rank holds the mean of the {world} ranks' numbers, {expected:g}")
-    silent = [r.rank for r in run.ranks if not _handed_in(r.all_reduced, own_number(r.rank), world)]
-    if silent:
-        report.mistakes.append(
-            f"rank(s) {silent} never handed their own number to a collective (the launcher sees what each rank "
-            "hands one): the mean must come from the ranks' own numbers, combined, not from a formula every rank "
-            "computes alone")
-    else:
-        report.confirmed.append("each rank handed its own number to dist.all_reduce (seen by the launcher), which "
-                                "gave every rank the sum")
-    return report
+        report.mistakes.append(f"on {world} ranks (numbers {', '.join(f'{n:g}' for n in numbers)}; mean {expected:g}), "
+                               + _what_they_hold(wrong, held, numbers, total, world))
+        return False
+    writes = {r.rank: r.files_written for r in run.ranks if r.files_written}
+    if writes:
+        listing = "; ".join(f"rank {rank}: {', '.join(paths[:3])}" for rank, paths in writes.items())
+        report.mistakes.append(f"the ranks wrote files ({listing}): in a real job they may not share a file system, "
+                               "and the exercise is about the ranks combining their numbers themselves")
+        return False
+    report.confirmed.append(f"on {world} ranks, every rank holds the mean of the ranks' numbers "
+                            f"({', '.join(f'{n:g}' for n in numbers)}): {expected:g}")
+    return True
+
+
+def _what_they_hold(wrong: list[int], held: list, numbers: list[float], total: float, world: int) -> str:
+    """The first mistake the wrong ranks' values show, named, not its fix."""
+    ranks = f"rank {wrong[0]}" if len(wrong) == 1 else f"ranks {', '.join(map(str, wrong))}"
+    values = [held[rank] for rank in wrong]
+    if any(value is None for value in values):
+        return f"{ranks} recorded no number as 'mean'"
+    if all(_close(held[rank], numbers[rank]) for rank in wrong):
+        return (f"{ranks} still hold only their own number. Each rank knows only its own number: how can every "
+                "rank learn the others'?")
+    if all(_close(value, total) for value in values):
+        return f"{ranks} hold {total:g}, the sum of the ranks' numbers, not their mean"
+    divisors = {round(total / value) for value in values if value}
+    if len(divisors) == 1 and all(_close(value, total / next(iter(divisors))) for value in values):
+        divisor = next(iter(divisors))
+        if divisor != world:
+            return (f"{ranks} hold the sum divided by {divisor}, at a world of {world} ranks: something in the cell "
+                    "assumes a world size")
+    return f"{ranks} hold {', '.join(f'{value:g}' for value in values)}, not the mean"
+
+
+def _close(value: float | None, wanted: float) -> bool:
+    return value is not None and abs(value - wanted) <= 1e-6 * max(1.0, abs(wanted))
 
 
 def _as_number(value) -> float | None:
@@ -62,10 +120,3 @@ def _as_number(value) -> float | None:
         return float(value)  # a float, a one-element tensor or array
     except (TypeError, ValueError, RuntimeError):
         return None
-
-
-def _handed_in(all_reduced, number: float, world: int) -> bool:
-    """Whether `number` (or it divided by the world size) is among the values a rank handed to all_reduce."""
-    wanted = (number, number / world)
-    return any(abs(value - w) <= 1e-6 * max(1.0, abs(w)) for call in all_reduced for value in call.get("values", ())
-               for w in wanted)

@@ -1,11 +1,13 @@
 """Lesson 5's exercise (a training run that hangs at a step that looks random): the given script hangs
-and the checker says where; the solution passes; fixes that only hide the hang, or change the training,
-do not."""
+and the checker says where; the solution passes, and so does a fix through DDP; fixes that only hide the
+hang, or change the training, do not, each with its first mistake named alone. Each rank's shard comes from
+its secret, which only that rank's process is handed, so no rank can compute another's gradient."""
 
 
 import pytest
 
 from ddp_helpers.lessons.lesson5 import check_hang_exercise, exercise_reference, skipped_steps
+from ddp_helpers.run_folder import RunFolder
 from support import exercise_cells, failure_report, run_on_cpu
 
 pytestmark = pytest.mark.usefixtures("warm_launches")  # the hanging runs are timed from a warm start
@@ -20,9 +22,15 @@ def sources():
     return given, solution
 
 
-def test_the_given_data_leaves_a_rank_an_empty_batch_mid_run():
-    # What makes the exercise hang at a step that looks random: rank 0's batch is all outliers at step 8.
-    assert skipped_steps(2)[0] and 0 < min(skipped_steps(2)[0]) < 15
+def test_the_data_leaves_only_the_last_rank_an_empty_batch_at_a_step_drawn_for_each_run():
+    # What makes the exercise hang at a step that looks random, every run at another step.
+    import secrets
+
+    for world in (2, 3):
+        for _ in range(20):
+            skipped = skipped_steps([secrets.randbits(62) for _ in range(world)])
+            assert all(not steps for rank, steps in skipped.items() if rank < world - 1), skipped
+            assert skipped[world - 1] and min(skipped[world - 1]) < 16, skipped
 
 
 def judged(write_script, source: str, timeout_s: float = 60):
@@ -41,21 +49,34 @@ def test_the_solution_passes(write_script, sources):
     assert run.ok and report.passed, f"{report}\n{failure_report(run)}"
 
 
-# The intended training without a collective: each rank reads every rank's shard and averages by itself.
-EVERY_RANK_ALONE = """from ddp_helpers.lessons.lesson5 import rank_batches
-shards = [rank_batches(r) for r in range(world_size)]
+# Every rank trains alone on its own shard, as if it were every rank's: no collective, other data.
+EVERY_RANK_ALONE = """from ddp_helpers.lessons.lesson5 import my_shard
+done = []
+for step, (inputs, targets) in enumerate(my_shard()):
+    keep = inputs.abs().max(dim=1).values < OUTLIER
+    optimizer.zero_grad()
+    if keep.any():
+        torch.nn.functional.mse_loss(model(inputs[keep]), targets[keep]).backward()
+        optimizer.step()
+    done.append(step)
+dist.barrier()
+record("steps", done)
+record("weights", [p.detach().cpu() for p in model.parameters()])
+dist.destroy_process_group()
+"""
+
+# The fix through DDP: the zero gradient of an empty batch comes from a zero loss (DDP's all-reduce runs in C++).
+THROUGH_DDP = """from torch.nn.parallel import DistributedDataParallel as DDP
+ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
 done = []
 for step in range(STEPS):
-    total = [torch.zeros_like(p) for p in model.parameters()]
-    for shard in shards:
-        inputs, targets, keep = next(shard)
-        if keep.any():
-            optimizer.zero_grad()
-            torch.nn.functional.mse_loss(model(inputs[keep]), targets[keep]).backward()
-            for sum_, p in zip(total, model.parameters()):
-                sum_ += p.grad
-    for sum_, p in zip(total, model.parameters()):
-        p.grad = sum_ / world_size
+    inputs, targets = next(data)
+    keep = inputs.abs().max(dim=1).values < OUTLIER
+    inputs, targets, keep = inputs.to(device), targets.to(device), keep.to(device)
+    optimizer.zero_grad()
+    out = ddp(inputs)
+    loss = torch.nn.functional.mse_loss(out[keep], targets[keep]) if keep.any() else out.sum() * 0
+    loss.backward()
     optimizer.step()
     done.append(step)
 dist.barrier()
@@ -63,6 +84,12 @@ record("steps", done)
 record("weights", [p.detach().cpu() for p in model.parameters()])
 dist.destroy_process_group()
 """
+
+
+def test_a_fix_through_ddp_passes(write_script, sources):
+    run, report = judged(write_script, sources[0].split("done = []")[0] + THROUGH_DDP)
+    assert run.ok and report.passed, f"{report}\n{failure_report(run)}"
+
 
 WRONG_FIXES = {
     # Hides nothing: the skipping rank still runs fewer all-reduces, so the run still ends stuck.
@@ -85,28 +112,17 @@ WRONG_FIXES = {
                   "done = list(range(STEPS))\ndist.barrier()\nrecord('steps', done)\n"
                   "record('weights', exercise_reference(world_size))\ndist.destroy_process_group()\n",
         "the run failed"),
-    "every rank computes every rank's gradient itself": (lambda s: s.split("done = []")[0] + EVERY_RANK_ALONE, "too few all-reduces"),
-    # The same, with the given all-reduces kept for show: they reduce the average every rank computed alike.
-    "every rank computes every rank's gradient, then all-reduces the average": (
+    "every rank trains alone": (lambda s: s.split("done = []")[0] + EVERY_RANK_ALONE, "too few all-reduces"),
+    # All-reduces of zeros in the numbers a real training would make, and the weights of one rank's training.
+    "all-reduces of zeros beside a rank's own training": (
         lambda s: s.split("done = []")[0] + EVERY_RANK_ALONE.replace(
-            "        p.grad = sum_ / world_size\n",
-            "        p.grad = sum_ / world_size\n        dist.all_reduce(p.grad)\n        p.grad /= world_size\n"),
-        "not every rank all-reduced its own gradient"),
-    # The reference's weights typed in, and all-reduces of zeros in the numbers a real training would make.
-    "the reference's numbers typed in, beside all-reduces of zeros": (
-        lambda s: s.split("done = []")[0] + "for step in range(STEPS):\n    for p in model.parameters():\n"
-                  "        dist.all_reduce(torch.zeros_like(p))\n"
-                  f"record('steps', list(range(STEPS)))\nrecord('weights', {_typed_in_reference()})\n"
-                  "dist.destroy_process_group()\n",
-        "not every rank all-reduced its own gradient"),
+            "    done.append(step)\n",
+            "    for p in model.parameters():\n        dist.all_reduce(torch.zeros_like(p))\n    done.append(step)\n"),
+        "the ranks' weights differ"),
     "no weights recorded": (lambda s: _solution().replace('record("weights", [p.detach().cpu() for p in model.parameters()])',
                                                           'record("weights", [])'),
                             "record('weights', ...) as given"),
 }
-
-
-def _typed_in_reference() -> str:
-    return "[" + ", ".join(f"torch.tensor({p.tolist()!r})" for p in exercise_reference(2)) + "]"
 
 
 def _solution() -> str:
@@ -121,13 +137,14 @@ def test_a_wrong_fix_does_not_pass(write_script, sources, name):
     assert wrong not in sources
     run, report = judged(write_script, wrong, timeout_s=8)
     assert not report.passed and named in str(report), f"{report}\n{failure_report(run)}"
+    assert len(report.mistakes) == 1, f"one mistake, not its consequences: {report}"
 
 
-def test_the_reference_is_the_intended_training_and_differs_from_the_shortcuts():
+def test_the_reference_depends_on_every_ranks_secret():
     import torch
 
-    two, four = exercise_reference(2), exercise_reference(4)
-    assert not all(torch.equal(a, b) for a, b in zip(two, four)), "the world size changes the data seen"
+    two, other = exercise_reference([1, 2]), exercise_reference([1, 3])
+    assert not all(torch.equal(a, b) for a, b in zip(two, other)), "another rank's shard changes the training"
     assert all(torch.isfinite(p).all() for p in two)
 
 

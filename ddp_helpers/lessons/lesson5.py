@@ -6,9 +6,12 @@ all-reduces included, so from then on its collectives pair with the other ranks'
 step before, and the run ends stuck (a rank at the final barrier while another still trains). The fix:
 a rank with nothing to learn from still takes part, with a zero gradient.
 
-The checker computes the intended training itself, in one process, from the exercise's model, data
-and seeds (`exercise_reference`), and judges the learner's run against it: it finished; every rank
-took part in every step; the ranks' weights agree bitwise; and they are the reference's.
+Each rank's shard is drawn from its secret (`ddp_helpers.rank_secret`: only that rank's process is handed
+it, anew for each run), so no rank can compute another's gradient. The checker reads every rank's secret
+from the run folder, computes the intended training itself, in one process (`exercise_reference`), and
+judges the learner's run against it, naming the first mistake only: it finished; every rank took part in
+every step; torch's flight recorder saw every rank all-reduce a gradient's worth each step (DDP's bucket
+all-reduces count too); the ranks' weights agree bitwise; and they are the reference's.
 
 Also here: `py_spy_dump`, section 6's look at a live job from outside.
 """
@@ -23,7 +26,9 @@ import time
 from pathlib import Path
 
 from ..exercises import ExerciseReport
+from ..recording import rank_secret
 from ..result import RunResult
+from ..run_folder import RunFolder
 
 STEPS = 20
 BATCH = 3  # per rank and step: small enough that, now and then, all of a rank's batch is dropped
@@ -67,61 +72,72 @@ def ptrace_scope() -> str | None:
         return None
 
 
-def rank_batches(rank: int):
-    """The exercise's data for `rank`: per step, (inputs, targets, which samples are kept)."""
+def shard(secret: int, last_rank: bool):
+    """A rank's shard for the exercise, drawn from its secret: per step, (inputs, targets). Only the last rank
+    ever has a batch whose samples all have an outlier (at least once, at a step drawn from its secret), so
+    that the given script's ranks always fall out of step, and every run differently."""
     import torch
 
-    generator = torch.Generator().manual_seed(100 + rank)  # each rank reads its own shard
+    generator = torch.Generator().manual_seed(secret)
     true_weight = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
-    for _ in range(STEPS):
+    emptied = 2 + secret % (STEPS - 6)  # leaves the steps after it for the ranks to fall out of step
+    for step in range(STEPS):
         inputs = torch.randn(BATCH, 4, generator=generator)
-        targets = inputs @ true_weight.T
-        yield inputs, targets, inputs.abs().max(dim=1).values < OUTLIER
+        if last_rank and step == emptied:
+            inputs[:, 0] = 2 * OUTLIER  # every sample has an outlier
+        elif not last_rank and not (inputs.abs().max(dim=1).values < OUTLIER).any():
+            inputs[0] = inputs[0].clamp(-OUTLIER / 2, OUTLIER / 2)  # one sample kept
+        yield inputs, inputs @ true_weight.T
 
 
-def exercise_reference(world_size: int) -> list:
-    """The weight and bias after the intended training on `world_size` ranks: each rank's gradient of its
-    kept samples' mean loss (zero when it kept none), summed over the ranks and divided by the world size."""
+def my_shard():
+    """In a rank: this rank's own shard (`shard`), from the secret only this rank's process is handed."""
     import os
 
-    import torch
+    return shard(rank_secret(), int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1)
+
+
+def _kept(inputs):
+    return inputs.abs().max(dim=1).values < OUTLIER
+
+
+def exercise_reference(secrets: list[int]) -> list:
+    """The weight and bias after the intended training on ranks with these secrets: each rank's gradient of
+    its kept samples' mean loss (zero when it kept none), summed over the ranks and divided by the world size."""
+    import os
+
+    import torch  # noqa: F401
 
     if "TORCHELASTIC_RUN_ID" in os.environ:  # inside a rank: recording these weights would skip the exercise
         raise RuntimeError("exercise_reference is the checker's answer, computed in the notebook: the exercise's "
                            "script must train the model itself")
-    return _intended_training(world_size)[0]
-
-
-def _intended_training(world_size: int) -> tuple[list, dict[int, list]]:
-    """(the weight and bias after the intended training, {rank: each step's weight gradient of its own kept
-    samples, zero where it kept none}): what each rank must put into its all-reduce, step by step."""
     import torch
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    streams = [rank_batches(rank) for rank in range(world_size)]
-    contributions = {rank: [] for rank in range(world_size)}
+    streams = [shard(secret, rank == len(secrets) - 1) for rank, secret in enumerate(secrets)]
     for _ in range(STEPS):
         total = [torch.zeros_like(p) for p in model.parameters()]
-        for rank, stream in enumerate(streams):
-            inputs, targets, keep = next(stream)
-            model.zero_grad()
+        for stream in streams:
+            inputs, targets = next(stream)
+            keep = _kept(inputs)
             if keep.any():
+                model.zero_grad()
                 torch.nn.functional.mse_loss(model(inputs[keep]), targets[keep]).backward()
                 for sum_, p in zip(total, model.parameters()):
                     sum_ += p.grad
-            contributions[rank].append(model.weight.grad.clone() if keep.any() else torch.zeros_like(model.weight))
         for sum_, p in zip(total, model.parameters()):
-            p.grad = sum_ / world_size
+            p.grad = sum_ / len(secrets)
         optimizer.step()
-    return [p.detach().clone() for p in model.parameters()], contributions
+    return [p.detach().clone() for p in model.parameters()]
 
 
-def skipped_steps(world_size: int) -> dict[int, list[int]]:
-    """Per rank, the steps at which the given data leaves it no sample (where the given script skips)."""
-    return {rank: [step for step, (_, _, keep) in enumerate(rank_batches(rank)) if not keep.any()]
-            for rank in range(world_size)}
+def skipped_steps(secrets: list[int]) -> dict[int, list[int]]:
+    """Per rank, the steps at which its shard leaves it no sample (where the given script skips)."""
+    return {rank: [step for step, (inputs, _) in enumerate(shard(secret, rank == len(secrets) - 1))
+                   if not _kept(inputs).any()]
+            for rank, secret in enumerate(secrets)}
 
 
 def check_hang_exercise(run: RunResult) -> ExerciseReport:
@@ -154,18 +170,24 @@ def check_hang_exercise(run: RunResult) -> ExerciseReport:
         report.mistakes.append("keep the record('steps', ...) and record('weights', ...) lines: the checker reads them")
         return report
     world_size = len(run.ranks)
-    if world_size < 2 or not any(skipped_steps(world_size).values()):
+    if world_size < 2:
         report.mistakes.append(f"run it on 2 ranks or more (it ran on {world_size}): the hang needs a rank whose "
                                "batch is all dropped while another's is not")
         return report
+    folder = RunFolder(run.run_dir)
+    secrets = [folder.read_secret(rank.rank) for rank in run.ranks]
+    if None in secrets:
+        report.mistakes.append("the checker could not read every rank's secret from the run folder; run the cell again")
+        return report
+    # The first mistake, and only it: what follows from it (other weights, say) is not a second mistake.
     incomplete = {rank: sorted(set(range(STEPS)) - set(done)) for rank, done in enumerate(steps) if done != list(range(STEPS))}
     if incomplete:
         report.mistakes.append(
             "not every rank took part in every step (" + "; ".join(f"rank {r} missed steps {s}" for r, s in incomplete.items())
             + "): a rank with no sample left still takes part, with a zero gradient, so that the ranks' all-reduces "
               "stay in step; skipping the step on every rank changes the training")
-    else:
-        report.confirmed.append(f"every rank took part in all {STEPS} steps")
+        return report
+    report.confirmed.append(f"every rank took part in all {STEPS} steps")
     gradient_values = {rank.rank: _all_reduced_values(rank.collectives) for rank in run.ranks}
     expected = STEPS * PARAMETERS
     short = {rank: values for rank, values in gradient_values.items() if values < expected}
@@ -183,70 +205,24 @@ def check_hang_exercise(run: RunResult) -> ExerciseReport:
                                "every step")
         return report
     report.confirmed.append(f"the {world_size} ranks' weights agree bitwise")
-    _judge_against_the_intended_training(report, run, weights[0])
-    return report
-
-
-def _judge_against_the_intended_training(report: ExerciseReport, run: RunResult, weights: list) -> None:
-    """The weights against the intended training's, and what each rank put into its all-reduces against
-    its own gradient of each step."""
-    import torch
-
-    world_size = len(run.ranks)
-    reference, contributions = _intended_training(world_size)
-    if [tuple(w.shape) for w in weights] != [tuple(r.shape) for r in reference]:
+    reference = exercise_reference(secrets)
+    if [tuple(w.shape) for w in weights[0]] != [tuple(r.shape) for r in reference]:
         report.mistakes.append("record('weights', ...) as given: the model's weight and bias, "
                                f"{[list(r.shape) for r in reference]}")
-    elif all(torch.allclose(mine, ref, atol=1e-6) for mine, ref in zip(weights, reference)):
-        report.confirmed.append("the weights are those of the intended training, computed here in one process")
+    elif all(torch.allclose(mine, ref, atol=1e-6) for mine, ref in zip(weights[0], reference)):
+        report.confirmed.append("the weights are those of the intended training on the ranks' own shards, computed "
+                                "here in one process from every rank's secret")
     else:
         report.mistakes.append(
             "the weights are not those of the intended training: each rank's gradient of its kept samples (zero "
             "when it kept none), summed over the ranks and divided by the world size; samples with an outlier "
             "stay dropped")
-    not_contributed = {rank.rank: missing for rank in run.ranks
-                       if (missing := _steps_not_contributed(rank.all_reduced, contributions[rank.rank], world_size))}
-    if not_contributed:
-        report.mistakes.append(
-            "not every rank all-reduced its own gradient ("
-            + "; ".join(f"rank {r}: steps {s}" for r, s in not_contributed.items())
-            + "): each rank puts in the gradient of its own kept samples, or zeros where it kept none, and the "
-              "all-reduce sums them; a rank must not compute the other ranks' gradients, nor all-reduce something else")
-    else:
-        report.confirmed.append("every rank all-reduced its own gradient in every step (zeros where it kept no "
-                                "sample), as the launcher saw the values it put in")
-
-
-def _steps_not_contributed(all_reduced, expected: list, world_size: int) -> list[int]:
-    """The steps whose weight gradient (expected[step], or it divided by the world size) is in none of the
-    values the rank handed to all_reduce, in order: the all-reduces of one step come after the previous's."""
-    import torch
-
-    inputs = [torch.tensor(call["values"], dtype=torch.float64) for call in all_reduced if "values" in call]
-    missing, position = [], 0
-    for step, gradient in enumerate(expected):
-        wanted = [gradient.double().flatten(), gradient.double().flatten() / world_size]
-        found = next((index for index in range(position, len(inputs))
-                      if any(_contains(inputs[index], w) for w in wanted)), None)
-        if found is None:
-            missing.append(step)
-        else:
-            position = found + 1
-    return missing
-
-
-def _contains(values, wanted) -> bool:
-    """Whether `wanted` appears, to float32's rounding, as consecutive elements of `values`."""
-    import torch
-
-    n = len(wanted)
-    return any(torch.allclose(values[start:start + n], wanted, rtol=1e-4, atol=1e-6)
-               for start in range(len(values) - n + 1))
+    return report
 
 
 def _all_reduced_values(collectives) -> int:
     """How many values a rank all-reduced (the elements of every all_reduce's tensors), from what the
-    flight recorder saw: a count the script cannot fake by what it records about itself."""
+    flight recorder saw, DDP's bucket all-reduces included: a count the script cannot fake by what it records."""
     from math import prod
 
     return sum(prod(shape) for call in collectives if call["op"] in ("all_reduce", "allreduce")

@@ -110,6 +110,36 @@ FAKE_FP16 = """def fake_fp16(state, bucket):
     return future
 ddp.register_comm_hook(None, fake_fp16)
 """
+# The float32 gradients through the default store, and float16 zeros all-reduced for the byte count.
+THROUGH_THE_STORE = """store = dist.distributed_c10d._get_default_store()
+calls = [0]
+def through_the_store(state, bucket):
+    buffer = bucket.buffer()
+    key = f"grad-{calls[0]}-{bucket.index()}"
+    calls[0] += 1
+    store.set(f"{key}-{rank}", buffer.cpu().numpy().tobytes())
+    dist.all_reduce(torch.zeros(buffer.numel(), dtype=torch.float16))
+    shares = [torch.frombuffer(bytearray(store.get(f"{key}-{r}")), dtype=torch.float32) for r in range(world_size)]
+    future = torch.futures.Future()
+    future.set_result(sum(shares) / world_size)
+    return future
+ddp.register_comm_hook(None, through_the_store)
+"""
+
+
+def test_float32_gradients_through_a_channel_the_count_does_not_see_fail(write_script, given):
+    run, report = judged(write_script, with_hook(given[0], THROUGH_THE_STORE))
+    assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
+    assert "the weights are the float32 training's to float32's precision" in str(report), str(report)
+
+
+def test_a_flooded_flight_recorder_is_named_not_trusted(write_script, given):
+    flooded = given[0].replace('print(f"loss on', "for _ in range(2100):\n    dist.all_reduce(torch.zeros(1))\nprint(f\"loss on")
+    run, report = judged(write_script, flooded)
+    assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
+    assert "no longer holds the first collectives of rank(s) [0, 1]" in str(report), str(report)
+
+
 @pytest.mark.parametrize("fix, said", [
     (POWERSGD.format(options=""), "not half. Section 5 measured what DDP can send"),
     (FAKE_FP16, "150% of plain DDP's"),
@@ -135,4 +165,4 @@ def test_training_apart_and_averaging_once_fails(write_script, given):
 def test_the_reference_is_refused_inside_a_rank(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     with pytest.raises(RuntimeError, match="the checker's answer"):
-        exercise_reference(2)
+        exercise_reference([1, 2])

@@ -50,7 +50,7 @@ PROBE = textwrap.dedent(
 
 # Differ between any two launches, warm or cold.
 PER_LAUNCH = {"DDP_HELPERS_RUN_ID", "DDP_HELPERS_AGENT_PID", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-              "TORCHELASTIC_ERROR_FILE"}
+              "TORCHELASTIC_ERROR_FILE", "DDP_HELPERS_RANK_SECRET"}
 
 
 @pytest.fixture(scope="module")

@@ -179,14 +179,23 @@ def check_hang_exercise(run: RunResult) -> ExerciseReport:
     if None in secrets:
         report.mistakes.append("the checker could not read every rank's secret from the run folder; run the cell again")
         return report
-    # The first mistake, and only it: what follows from it (other weights, say) is not a second mistake.
+    _judge_the_training(run, report, steps, weights, secrets)
+    return report
+
+
+def _judge_the_training(run: RunResult, report: ExerciseReport, steps: list, weights: list, secrets: list[int]) -> None:
+    """The first mistake, and only it (what follows from it, other weights say, is not a second mistake): every
+    rank in every step, a gradient's worth all-reduced each step, the ranks agreeing, the intended training."""
+    import torch
+
+    world_size = len(run.ranks)
     incomplete = {rank: sorted(set(range(STEPS)) - set(done)) for rank, done in enumerate(steps) if done != list(range(STEPS))}
     if incomplete:
         report.mistakes.append(
             "not every rank took part in every step (" + "; ".join(f"rank {r} missed steps {s}" for r, s in incomplete.items())
             + "): a rank with no sample left still takes part, with a zero gradient, so that the ranks' all-reduces "
               "stay in step; skipping the step on every rank changes the training")
-        return report
+        return
     report.confirmed.append(f"every rank took part in all {STEPS} steps")
     gradient_values = {rank.rank: _all_reduced_values(rank.collectives) for rank in run.ranks}
     expected = STEPS * PARAMETERS
@@ -196,14 +205,14 @@ def check_hang_exercise(run: RunResult) -> ExerciseReport:
             "torch's flight recorder saw too few all-reduces for a gradient of " f"{PARAMETERS} values in each of "
             f"{STEPS} steps ({expected} values) on " + "; ".join(f"rank {r}: {v}" for r, v in short.items())
             + ": every rank all-reduces its gradient every step")
-        return report
+        return
     report.confirmed.append(f"torch's flight recorder saw every rank all-reduce at least a gradient's {PARAMETERS} "
                             f"values in each of the {STEPS} steps")
     agree = all(all(torch.equal(a, b) for a, b in zip(weights[0], other)) for other in weights[1:])
     if not agree:
         report.mistakes.append("the ranks' weights differ: each step's gradients must be all-reduced on every rank, "
                                "every step")
-        return report
+        return
     report.confirmed.append(f"the {world_size} ranks' weights agree bitwise")
     reference = exercise_reference(secrets)
     if [tuple(w.shape) for w in weights[0]] != [tuple(r.shape) for r in reference]:
@@ -217,7 +226,6 @@ def check_hang_exercise(run: RunResult) -> ExerciseReport:
             "the weights are not those of the intended training: each rank's gradient of its kept samples (zero "
             "when it kept none), summed over the ranks and divided by the world size; samples with an outlier "
             "stay dropped")
-    return report
 
 
 def _all_reduced_values(collectives) -> int:

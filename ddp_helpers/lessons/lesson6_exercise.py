@@ -7,7 +7,8 @@ of the mean loss over every rank's share, which is what DDP's average computes. 
 - what crossed between the ranks, as torch's flight recorder saw it (`RankResult.collectives`) and the
   launcher saw the point-to-point sends (`RankResult.point_to_point`): an all-reduce in every step, and
   on average at most half the bytes per step of plain DDP's float32 all-reduces, and at least a quarter
-  (a gradient cannot be averaged in less: float16 sends a half). Every collective after DDP's wrap counts,
+  (8 bits a value, as torch's quantization hooks send; below it, what torch ships only approximates the
+  gradient, as PowerSGD does). Every collective after DDP's wrap counts,
   not only all-reduces: a hook that all-reduces half the bytes for show and all-gathers the float32
   gradients is not sending half;
 - the ranks ending with bitwise equal weights;

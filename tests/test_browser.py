@@ -316,6 +316,7 @@ def test_notebook_runs_in_jupyterlab(browser, lab, notebook):
             assert judged in joined, f"the exercise as given should be judged wrong with {judged!r}"
         if notebook.name.startswith("02_"):
             check_widgets(page)
+        check_line_numbers(page)
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SCREENSHOTS / f"{notebook.stem}.png"))
     except Exception:
@@ -327,6 +328,21 @@ def test_notebook_runs_in_jupyterlab(browser, lab, notebook):
         raise
     finally:
         page.close()
+
+
+def check_line_numbers(page) -> None:
+    """Code cells show their line numbers (the project's settings turn them on): the lines a hang report,
+    a traceback or a hint names, counted from the %%torchrun line as 1, are the lines on screen."""
+    numbers = page.evaluate(
+        "(panel) => { const cell = [...document.querySelectorAll(panel + ' .jp-CodeCell')]"
+        ".find(c => c.querySelector('.cm-content')?.innerText.startsWith('%%torchrun'));"
+        " if (!cell) return null;"
+        " return [...cell.querySelectorAll('.cm-lineNumbers .cm-gutterElement')]"
+        ".filter(e => getComputedStyle(e).visibility !== 'hidden').map(e => e.innerText); }",
+        PANEL,
+    )
+    assert numbers, "a %%torchrun cell should show line numbers (jupyter/overrides.json's codeCellConfig)"
+    assert numbers[:3] == ["1", "2", "3"], f"its lines should be numbered from the %%torchrun line: {numbers[:5]}"
 
 
 def check_widgets(page) -> None:

@@ -143,16 +143,17 @@ def run_whole_lesson(number: int) -> tuple[bool, str]:
     return process.returncode == 0, (last[0] if last else "")
 
 
-def run_cells_at_world_one(notebook: Path, backend: str = "nccl") -> tuple[int, list[str], list[int]]:
+def run_cells_at_world_one(notebook: Path, backend: str = "nccl", shell=None) -> tuple[int, list[str], list[int]]:
     """Every %%torchrun cell of the lesson whose options allow one rank, at world 1; the checks between them are
     left out (they count two ranks or more). A cell that fails is run again on gloo at world 1: where it fails
     there too, it needs 2 ranks (a two-stage pipeline, FSDP's collectives), which is no fault of the GPU path.
-    Returns how many ran, the failures, and the cells that need 2 ranks."""
+    Returns how many ran, the failures, and the cells that need 2 ranks. `shell`: IPython's shell to run them
+    in (default: the process's own; IPython allows one kind of shell per process)."""
     import nbformat
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
 
-    shell = InteractiveShell.instance()
+    shell = shell or InteractiveShell.instance()
     if "ddp_helpers" not in shell.extension_manager.loaded:
         shell.run_line_magic("load_ext", "ddp_helpers")
 

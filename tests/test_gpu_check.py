@@ -93,15 +93,17 @@ def test_the_hang_check_finds_the_rank_that_never_called(check, tmp_path):
 
 
 @pytest.mark.slow
-def test_one_gpus_cells_run_at_world_one(check, tmp_path):
+def test_one_gpus_cells_run_at_world_one(check, ipython):
     # Lesson 0's %%torchrun cells, each at world 1 (the backend here: gloo). Lesson 1's model-parallel cells
     # need 2 ranks: on gloo they are failures, which on a GPU would be told apart by running them on gloo.
-    ran, failures, need_two = check.run_cells_at_world_one(ROOT / "notebooks" / "00_check_setup.ipynb", backend="gloo")
+    # In the session's IPython shell: IPython allows one kind of shell per process (test_magic's, here).
+    ran, failures, need_two = check.run_cells_at_world_one(ROOT / "notebooks" / "00_check_setup.ipynb", backend="gloo",
+                                                           shell=ipython)
     assert ran == 2 and failures == [] and need_two == [], failures
 
 
 @pytest.mark.slow
-def test_a_cell_that_needs_two_ranks_is_a_failure_at_world_one(check, tmp_path):
+def test_a_cell_that_needs_two_ranks_is_a_failure_at_world_one(check, ipython):
     ran, failures, _ = check.run_cells_at_world_one(ROOT / "notebooks" / "01_data_vs_model_parallelism.ipynb",
-                                                   backend="gloo")
+                                                   backend="gloo", shell=ipython)
     assert any("run it on 2 ranks" in failure for failure in failures), failures

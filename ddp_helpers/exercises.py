@@ -40,6 +40,19 @@ class ExerciseReport:
         return f"<div class='ddp-lessons-exercise-report'>{lines}</div>"
 
 
+def rank_secrets(run, report: ExerciseReport) -> list[int] | None:
+    """Every rank's secret (`ddp_helpers.rank_secret`, which its exercise data comes from) from the run folder;
+    None, with the mistake added to `report`, where one cannot be read."""
+    from .run_folder import RunFolder
+
+    folder = RunFolder(run.run_dir)
+    secrets = [folder.read_secret(r.rank) for r in run.ranks]
+    if None in secrets:
+        report.mistakes.append("the checker could not read every rank's secret from the run folder; run the cell again")
+        return None
+    return secrets
+
+
 def _sentence(finding: str) -> str:
     """A finding ends as a sentence does, whether its checker wrote the final full stop or not."""
     finding = finding.rstrip()

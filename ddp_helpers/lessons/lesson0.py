@@ -11,10 +11,9 @@ the first one is wrong. Files written by the ranks are named: a side channel is 
 
 from __future__ import annotations
 
-from ..exercises import ExerciseReport
+from ..exercises import ExerciseReport, rank_secrets
 from ..recording import rank_secret
 from ..result import RunResult
-from ..run_folder import RunFolder
 
 # The other world size the cell is run at, after the one the learner chose.
 SECOND_WORLD_TIMEOUT_S = 60.0
@@ -66,10 +65,8 @@ def _judge(run: RunResult, report: ExerciseReport) -> bool:
     except KeyError:
         report.mistakes.append("keep the record('mean', ...) line: the checker reads it")
         return False
-    folder = RunFolder(run.run_dir)
-    secrets = [folder.read_secret(r.rank) for r in run.ranks]
-    if None in secrets:
-        report.mistakes.append("the checker could not read every rank's number from the run folder; run the cell again")
+    secrets = rank_secrets(run, report)
+    if secrets is None:
         return False
     numbers = [number_of(secret) for secret in secrets]
     total = sum(numbers)

@@ -25,10 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from ..exercises import ExerciseReport
+from ..exercises import ExerciseReport, rank_secrets
 from ..recording import rank_secret
 from ..result import RunResult
-from ..run_folder import RunFolder
 
 STEPS = 20
 BATCH = 3  # per rank and step: small enough that, now and then, all of a rank's batch is dropped
@@ -174,10 +173,8 @@ def check_hang_exercise(run: RunResult) -> ExerciseReport:
         report.mistakes.append(f"run it on 2 ranks or more (it ran on {world_size}): the hang needs a rank whose "
                                "batch is all dropped while another's is not")
         return report
-    folder = RunFolder(run.run_dir)
-    secrets = [folder.read_secret(rank.rank) for rank in run.ranks]
-    if None in secrets:
-        report.mistakes.append("the checker could not read every rank's secret from the run folder; run the cell again")
+    secrets = rank_secrets(run, report)
+    if secrets is None:
         return report
     _judge_the_training(run, report, steps, weights, secrets)
     return report

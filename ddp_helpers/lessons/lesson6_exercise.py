@@ -30,11 +30,10 @@ import functools
 import math
 import os
 
-from ..exercises import ExerciseReport
+from ..exercises import ExerciseReport, rank_secrets
 from ..hang import ALL_REDUCE_OPS, torch_dtype_name
 from ..recording import rank_secret
 from ..result import RunResult
-from ..run_folder import RunFolder
 
 STEPS = 30
 BATCH = 32  # per rank and step
@@ -146,9 +145,8 @@ def check_compression_exercise(run: RunResult) -> ExerciseReport:
     if any("weights" not in r.facts for r in run.ranks):
         report.mistakes.append("keep the record(\"weights\", ...) line: the checker compares every rank's weights")
         return report
-    secrets = [RunFolder(run.run_dir).read_secret(r.rank) for r in run.ranks]
-    if None in secrets:
-        report.mistakes.append("the checker could not read every rank's secret from the run folder; run the cell again")
+    secrets = rank_secrets(run, report)
+    if secrets is None:
         return report
     bytes_halved = _judge_bytes(run, report)
     _judge_weights(run, report, secrets, bytes_halved)

@@ -35,7 +35,7 @@ import time
 import traceback
 import types
 
-from . import _all_reduce_log, _hang_probe, _point_to_point
+from . import _all_reduce_log, _channel_bytes, _hang_probe, _point_to_point
 from .processes import die_with_parent, start_time
 from .run_folder import (AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, IMPORT_DIR_ENV, SECRET_ENV, RankErrorRecord, RankIdentity,
                          RunFolder)
@@ -60,6 +60,7 @@ def _redirect_output(folder: RunFolder, rank: int) -> None:
 def _observe_collectives(c10d_module) -> None:
     _point_to_point.observe(c10d_module)
     _all_reduce_log.observe(c10d_module)
+    _channel_bytes.observe(c10d_module)
 
 
 def _collectives_called(rank: int) -> list[dict]:
@@ -137,7 +138,7 @@ def _without_wrapper_frames(tb):
     return tb
 
 
-_WRAPPER_FILES = {os.path.abspath(module.__file__) for module in (_all_reduce_log, _point_to_point)} | {
+_WRAPPER_FILES = {os.path.abspath(module.__file__) for module in (_all_reduce_log, _channel_bytes, _point_to_point)} | {
     os.path.abspath(__file__)}
 
 
@@ -198,7 +199,7 @@ class _PatchOnImport:
     - torch.save(obj, "path") writes through C++, which raises no audit event: it is wrapped so that
       saving to a path raises the "open" event a Python write would;
     - torch.distributed's send/recv/isend/irecv are logged (`_point_to_point`), and what the script hands to
-      all_reduce (`_all_reduce_log`);
+      all_reduce (`_all_reduce_log`), and the bytes its store and point-to-point calls move (`_channel_bytes`);
     - on this machine's runs, rank 0's job store listens on loopback only."""
 
     def __init__(self, patches: dict):
@@ -424,7 +425,7 @@ def main() -> None:
         if observer is not None:
             folder.write_evidence(rank, files_written=observer.paths, point_to_point=_point_to_point.summary(),
                                   all_reduced=_all_reduce_log.summary(),
-                                  collectives=_collectives_called(rank))
+                                  collectives=_collectives_called(rank), channel_bytes=_channel_bytes.summary())
             # How it ended, for launches without a supervisor to ask the agent (Slurm jobs).
             folder.write_exit(rank, exit_code)
         if exit_code == 0:

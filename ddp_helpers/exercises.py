@@ -53,6 +53,26 @@ def rank_secrets(run, report: ExerciseReport) -> list[int] | None:
     return secrets
 
 
+def side_channels(run, *, files: bool = True) -> str | None:
+    """A mistake naming what the ranks passed around torch's collectives, or None: bytes through a key-value
+    store (`RankResult.channel_bytes`, counted at torch's Store class, whichever store the script held) and,
+    with `files`, the files they wrote. A checker judges what collectives moved; it cannot see or count what
+    crossed another way, so that does not pass."""
+    found = []
+    for r in run.ranks:
+        calls, size = r.channel_bytes.get("store_calls", 0), r.channel_bytes.get("store_bytes", 0)
+        where = [f"{calls} key-value store call{'s' if calls != 1 else ''}, {size:,} bytes"] if calls else []
+        if files and r.files_written:
+            where.append("wrote " + ", ".join(r.files_written[:3]) + (" ..." if len(r.files_written) > 3 else ""))
+        if where:
+            found.append(f"rank {r.rank}: {'; '.join(where)}")
+    if not found:
+        return None
+    return (f"the ranks passed data around the collectives ({'; '.join(found)}): a store is for finding each other, "
+            "and in a real job the ranks may not share a file system. The exercise is judged on what the ranks' "
+            "collectives moved, which the checker can see")
+
+
 def _sentence(finding: str) -> str:
     """A finding ends as a sentence does, whether its checker wrote the final full stop or not."""
     finding = finding.rstrip()

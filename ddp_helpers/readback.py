@@ -143,6 +143,7 @@ def _rank_result(folder: RunFolder, rank: int, identity: RankIdentity, exit_code
         point_to_point=evidence.point_to_point,
         all_reduced=evidence.all_reduced,
         collectives=evidence.collectives,
+        channel_bytes=evidence.channel_bytes,
         agent=identity.agent,
         group_rank=identity.group_rank,
         local_rank=identity.local_rank,

@@ -65,6 +65,10 @@ class RankResult:
         collectives: the collectives its script called, in order, as torch's flight recorder held them at
             the end (its last 2000): {"number" (in its group), "op", "shapes", "dtypes", "group"}; empty if
             the rank did not end normally.
+        channel_bytes: what its script moved where the flight recorder does not look, counted at torch's
+            classes: {"sent_bytes", "received_bytes"} of point-to-point calls (however reached), and
+            {"store_calls", "store_bytes"} of key-value store calls (keys and values); empty if the rank
+            did not end normally.
         agent: which of the run's torchrun agents started it (0 .. nnodes - 1; None if it never started).
         group_rank, local_rank: its agent's place in the rendezvous (GROUP_RANK), and its LOCAL_RANK there.
         restart: the restart count (TORCHELASTIC_RESTART_COUNT) of its latest attempt: 0 if never restarted.
@@ -85,6 +89,7 @@ class RankResult:
     point_to_point: tuple[dict, ...] = ()
     all_reduced: tuple[dict, ...] = ()
     collectives: tuple[dict, ...] = ()
+    channel_bytes: dict = field(default_factory=dict)
     agent: int | None = None
     group_rank: int | None = None
     local_rank: int | None = None

@@ -34,7 +34,7 @@ No other module spells these names: each file has its methods here.
   rank's own files from the folder's.
 - Written by the ranks (light: no torch import): `from_environment()`, `write_identity(RankIdentity)`,
   `write_error(RankErrorRecord)`, `clear_error(rank)`, `write_exit(rank, code)`,
-  `write_evidence(rank, files_written=, point_to_point=, all_reduced=, collectives=)`, `write_hang_answer(rank, answer)`,
+  `write_evidence(rank, files_written=, point_to_point=, all_reduced=, collectives=, channel_bytes=)`, `write_hang_answer(rank, answer)`,
   `belongs_to_this_launch()`, `rank_secret(rank)` (drawn once, then read).
 - Written by the supervisor: `write_outcome(outcome, agent=None)`.
 - Read by the launcher: `claim(path)`, `start_launch(run_id)`, `release()`, `read_identity(rank)`,
@@ -63,7 +63,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 
@@ -115,12 +115,14 @@ class RankErrorRecord:
 class RankEvidence:
     """What the bootstrap saw a rank's script do, written as it ended: `rankN.writes.json` (files it
     wrote), `rankN.p2p.json` (send/recv calls), `rankN.all_reduced.json` (what its script handed to
-    all_reduce) and `rankN.collectives.json` (from the flight recorder)."""
+    all_reduce), `rankN.collectives.json` (from the flight recorder) and `rankN.channel_bytes.json` (what its
+    store and point-to-point calls moved)."""
 
     files_written: tuple[str, ...] = ()
     point_to_point: tuple[dict, ...] = ()
     all_reduced: tuple[dict, ...] = ()
     collectives: tuple[dict, ...] = ()
+    channel_bytes: dict = field(default_factory=dict)
 
 
 def _from_json(cls, value: dict | None):
@@ -289,11 +291,13 @@ class RunFolder:
     def write_exit(self, rank: int, exit_code: int) -> None:
         self.write_json(self._rank_file(rank, "exit.json"), {"rank": rank, "exit_code": exit_code})
 
-    def write_evidence(self, rank: int, *, files_written, point_to_point, all_reduced, collectives) -> None:
+    def write_evidence(self, rank: int, *, files_written, point_to_point, all_reduced, collectives,
+                       channel_bytes: dict) -> None:
         self.write_json(self._rank_file(rank, "writes.json"), {"rank": rank, "files": sorted(files_written)})
         self.write_json(self._rank_file(rank, "p2p.json"), {"rank": rank, "calls": list(point_to_point)})
         self.write_json(self._rank_file(rank, "all_reduced.json"), {"rank": rank, "calls": list(all_reduced)})
         self.write_json(self._rank_file(rank, "collectives.json"), {"rank": rank, "calls": list(collectives)})
+        self.write_json(self._rank_file(rank, "channel_bytes.json"), {"rank": rank, "totals": dict(channel_bytes)})
 
     def record_forked_child(self, pid: int, started: int | None) -> None:
         """Called in each child a rank's Python forks, as it starts: the final sweep finds it here whatever it
@@ -460,7 +464,9 @@ class RunFolder:
 
         return RankEvidence(files_written=calls("writes.json", "files"), point_to_point=calls("p2p.json"),
                             all_reduced=calls("all_reduced.json"),
-                            collectives=calls("collectives.json"))
+                            collectives=calls("collectives.json"),
+                            channel_bytes=dict((self.read_own_json(self._rank_file(rank, "channel_bytes.json")) or {})
+                                               .get("totals", {})))
 
     def read_hang_answer(self, rank: int) -> dict | None:
         return self.read_own_json(self._rank_file(rank, "hang.json"))

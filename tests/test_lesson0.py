@@ -77,7 +77,17 @@ WRONG_FIXES = {
     "numbers passed through files": (
         "open(f'number{rank}.txt', 'w').write(str(number.item()))\ndist.barrier()\n"
         "mean = torch.tensor([sum(float(open(f'number{r}.txt').read()) for r in range(world_size)) / world_size])\n",
-        "the ranks wrote files"),
+        "wrote " ),
+    # Side channels through the job's key-value store: the default one, and a client the script opens itself.
+    "numbers passed through the default store": (
+        "store = dist.distributed_c10d._get_default_store()\nstore.set(f'n{rank}', str(number.item()))\ndist.barrier()\n"
+        "mean = torch.tensor([sum(float(store.get(f'n{r}')) for r in range(world_size)) / world_size])\n",
+        "key-value store call"),
+    "numbers passed through a store the script opens": (
+        "import os\nstore = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False)\n"
+        "store.add(f'n{rank}', int(number.item()))\ndist.barrier()\n"
+        "mean = torch.tensor([sum(store.add(f'n{r}', 0) for r in range(world_size)) / world_size])\n",
+        "key-value store call"),
 }
 
 

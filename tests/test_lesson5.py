@@ -68,6 +68,27 @@ for step, (inputs, targets) in enumerate(my_shard()):
     done.append(step)
 """ + RECORD_AND_END
 
+EVERY_RANK_FROM_THE_STORE = """from ddp_helpers import rank_secret
+from ddp_helpers.lessons.lesson5 import shard
+store = dist.distributed_c10d._get_default_store()
+store.set(f"secret{rank}", str(rank_secret()))
+dist.barrier()
+shards = [shard(int(store.get(f"secret{r}")), r == world_size - 1) for r in range(world_size)]
+done = []
+for step in range(STEPS):
+    total = [torch.zeros_like(p) for p in model.parameters()]
+    for inputs, targets in [next(each) for each in shards]:
+        keep = inputs.abs().max(dim=1).values < OUTLIER
+        if keep.any():
+            loss = torch.nn.functional.mse_loss(model(inputs[keep]), targets[keep])
+            total = [t + g for t, g in zip(total, torch.autograd.grad(loss, list(model.parameters())))]
+    for p, t in zip(model.parameters(), total):
+        p.grad = t / world_size
+        dist.all_reduce(p.grad.clone())
+    optimizer.step()
+    done.append(step)
+""" + RECORD_AND_END
+
 # The fix through DDP: the zero gradient of an empty batch comes from a zero loss (DDP's all-reduce runs in C++).
 THROUGH_DDP = """from torch.nn.parallel import DistributedDataParallel as DDP
 ddp = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
@@ -118,6 +139,10 @@ WRONG_FIXES = {
             "    done.append(step)\n",
             "    for p in model.parameters():\n        dist.all_reduce(torch.zeros_like(p))\n    done.append(step)\n"),
         "the ranks' weights differ"),
+    # Every rank's secret passed through the job's store, every shard's gradient computed on every rank, and
+    # all-reduces for show.
+    "every rank computes every gradient from secrets passed through the store": (
+        lambda s: s.split("done = []")[0] + EVERY_RANK_FROM_THE_STORE, "key-value store call"),
     "no weights recorded": (lambda s: _solution().replace('record("weights", [p.detach().cpu() for p in model.parameters()])',
                                                           'record("weights", [])'),
                             "record('weights', ...) as given"),

@@ -127,10 +127,57 @@ ddp.register_comm_hook(None, through_the_store)
 """
 
 
-def test_float32_gradients_through_a_channel_the_count_does_not_see_fail(write_script, given):
+# The float32 gradients through files (a channel nothing counts), and float16 zeros all-reduced for the count.
+THROUGH_FILES = """import os
+folder = f"grads-{os.environ['TORCHELASTIC_RUN_ID']}"  # beside the script, in the test's folder
+os.makedirs(folder, exist_ok=True)
+calls = [0]
+def through_files(state, bucket):
+    buffer = bucket.buffer()
+    key = f"grad-{calls[0]}-{bucket.index()}"
+    calls[0] += 1
+    torch.save(buffer.clone(), os.path.join(folder, f"{key}-{rank}"))
+    dist.all_reduce(torch.zeros(buffer.numel(), dtype=torch.float16))  # also a barrier: every file is written
+    shares = [torch.load(os.path.join(folder, f"{key}-{r}")) for r in range(world_size)]
+    future = torch.futures.Future()
+    future.set_result(sum(shares) / world_size)
+    return future
+ddp.register_comm_hook(None, through_files)
+"""
+# The float32 gradients sent point to point by the process group's own methods, then float16 zeros all-reduced.
+THROUGH_PROCESS_GROUP_SENDS = """group = dist.distributed_c10d._get_default_group()
+def through_sends(state, bucket):
+    buffer = bucket.buffer()
+    other = torch.empty_like(buffer)
+    sent = group.send([buffer], 1 - rank, 0)
+    group.recv([other], 1 - rank, 0).wait()
+    sent.wait()
+    dist.all_reduce(torch.zeros(buffer.numel(), dtype=torch.float16))
+    future = torch.futures.Future()
+    future.set_result((buffer + other) / world_size)
+    return future
+ddp.register_comm_hook(None, through_sends)
+"""
+
+
+def test_the_store_is_named_as_a_side_channel(write_script, given):
     run, report = judged(write_script, with_hook(given[0], THROUGH_THE_STORE))
     assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
+    assert "key-value store calls" in str(report) and "bytes" in str(report), str(report)
+    assert len(report.mistakes) == 1, str(report)
+
+
+def test_float32_gradients_through_a_channel_the_count_does_not_see_fail(write_script, given):
+    run, report = judged(write_script, with_hook(given[0], THROUGH_FILES))
+    assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
     assert "the weights are the float32 training's to float32's precision" in str(report), str(report)
+
+
+def test_point_to_point_bytes_count_however_the_process_group_is_reached(write_script, given):
+    run, report = judged(write_script, with_hook(given[0], THROUGH_PROCESS_GROUP_SENDS))
+    assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
+    assert "150% of plain DDP's" in str(report), str(report)
+    assert all(r.channel_bytes["sent_bytes"] >= 30 * parameter_bytes() for r in run.ranks), [r.channel_bytes for r in run.ranks]
 
 
 def test_a_flooded_flight_recorder_is_named_not_trusted(write_script, given):

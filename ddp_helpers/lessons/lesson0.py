@@ -6,12 +6,13 @@ random for each launch, handed to that rank's process alone), so no rank can com
 must bring their numbers together, and any collective that does (all_reduce, all_gather, reduce + broadcast,
 all_gather_object) is a right answer. The checker reads every rank's secret from the run folder and computes
 the mean itself; it then runs the learner's cell again at another world size, where a divisor written for
-the first one is wrong. Files written by the ranks are named: a side channel is not a collective.
+the first one is wrong. Files written by the ranks, and bytes through the job's key-value store, are named: a
+side channel is not a collective.
 """
 
 from __future__ import annotations
 
-from ..exercises import ExerciseReport, rank_secrets
+from ..exercises import ExerciseReport, rank_secrets, side_channels
 from ..recording import rank_secret
 from ..result import RunResult
 
@@ -77,11 +78,9 @@ def _judge(run: RunResult, report: ExerciseReport) -> bool:
         report.mistakes.append(f"on {world} ranks (numbers {', '.join(f'{n:g}' for n in numbers)}; mean {expected:g}), "
                                + _what_they_hold(wrong, held, numbers, total, world))
         return False
-    writes = {r.rank: r.files_written for r in run.ranks if r.files_written}
-    if writes:
-        listing = "; ".join(f"rank {rank}: {', '.join(paths[:3])}" for rank, paths in writes.items())
-        report.mistakes.append(f"the ranks wrote files ({listing}): in a real job they may not share a file system, "
-                               "and the exercise is about the ranks combining their numbers themselves")
+    around = side_channels(run)
+    if around:
+        report.mistakes.append(around)
         return False
     report.confirmed.append(f"on {world} ranks, every rank holds the mean of the ranks' numbers "
                             f"({', '.join(f'{n:g}' for n in numbers)}): {expected:g}")
@@ -91,21 +90,23 @@ def _judge(run: RunResult, report: ExerciseReport) -> bool:
 def _what_they_hold(wrong: list[int], held: list, numbers: list[float], total: float, world: int) -> str:
     """The first mistake the wrong ranks' values show, named, not its fix."""
     ranks = f"rank {wrong[0]}" if len(wrong) == 1 else f"ranks {', '.join(map(str, wrong))}"
+    hold = "holds" if len(wrong) == 1 else "hold"
     values = [held[rank] for rank in wrong]
     if any(value is None for value in values):
         return f"{ranks} recorded no number as 'mean'"
     if all(_close(held[rank], numbers[rank]) for rank in wrong):
-        return (f"{ranks} still hold only their own number. Each rank knows only its own number: how can every "
+        own = "its" if len(wrong) == 1 else "their"
+        return (f"{ranks} still {hold} only {own} own number. Each rank knows only its own number: how can every "
                 "rank learn the others'?")
     if all(_close(value, total) for value in values):
-        return f"{ranks} hold {total:g}, the sum of the ranks' numbers, not their mean"
+        return f"{ranks} {hold} {total:g}, the sum of the ranks' numbers, not their mean"
     divisors = {round(total / value) for value in values if value}
     if len(divisors) == 1 and all(_close(value, total / next(iter(divisors))) for value in values):
         divisor = next(iter(divisors))
         if divisor != world:
-            return (f"{ranks} hold the sum divided by {divisor}, at a world of {world} ranks: something in the cell "
+            return (f"{ranks} {hold} the sum divided by {divisor}, at a world of {world} ranks: something in the cell "
                     "assumes a world size")
-    return f"{ranks} hold {', '.join(f'{value:g}' for value in values)}, not the mean"
+    return f"{ranks} {hold} {', '.join(f'{value:g}' for value in values)}, not the mean"
 
 
 def _close(value: float | None, wanted: float) -> bool:

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..exercises import ExerciseReport, rank_secrets
+from ..exercises import ExerciseReport, rank_secrets, side_channels
 from ..recording import rank_secret
 from ..result import RunResult
 
@@ -175,6 +175,10 @@ def check_hang_exercise(run: RunResult) -> ExerciseReport:
         return report
     secrets = rank_secrets(run, report)
     if secrets is None:
+        return report
+    around = side_channels(run)
+    if around:
+        report.mistakes.append(around)
         return report
     _judge_the_training(run, report, steps, weights, secrets)
     return report

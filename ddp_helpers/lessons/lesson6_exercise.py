@@ -5,7 +5,8 @@ batch. The learner picks a communication hook. The checker computes the intended
 one process, from the exercise's model, data and seeds (`exercise_reference`): one step is the gradient
 of the mean loss over every rank's share, which is what DDP's average computes. It judges the run on:
 - what crossed between the ranks, as torch's flight recorder saw it (`RankResult.collectives`) and the
-  launcher saw the point-to-point sends (`RankResult.point_to_point`): an all-reduce in every step, and
+  launcher counted the point-to-point bytes at torch's ProcessGroup class (`RankResult.channel_bytes`);
+  any use of a key-value store is named as a side channel, not counted as half: an all-reduce in every step, and
   on average at most half the bytes per step of plain DDP's float32 all-reduces, and at least a quarter
   (8 bits a value, as torch's quantization hooks send; below it, what torch ships only approximates the
   gradient, as PowerSGD does). Every collective after DDP's wrap counts,
@@ -30,7 +31,7 @@ import functools
 import math
 import os
 
-from ..exercises import ExerciseReport, rank_secrets
+from ..exercises import ExerciseReport, rank_secrets, side_channels
 from ..hang import ALL_REDUCE_OPS, torch_dtype_name
 from ..recording import rank_secret
 from ..result import RunResult
@@ -120,16 +121,22 @@ def _tensor_bytes(shapes, dtypes) -> int:
     return sum(math.prod(shape) * getattr(torch, torch_dtype_name(dtype)).itemsize for shape, dtype in zip(shapes, dtypes))
 
 
-def exchanged_bytes(collectives: list[dict], sends: list[dict] = ()) -> list[int]:
+def exchanged_bytes(collectives: list[dict]) -> list[int]:
     """The bytes of everything a rank put into a collective from its first all-reduce on (before it: DDP's
-    wrap, checking shapes and broadcasting rank 0's weights, once), barriers aside, then of its
-    point-to-point sends."""
+    wrap, checking shapes and broadcasting rank 0's weights, once), barriers aside."""
     sizes, started = [], False
     for entry in collectives:
         started = started or entry["op"] in ALL_REDUCE_OPS
         if started and "barrier" not in entry["op"]:
             sizes.append(_tensor_bytes(entry["shapes"], entry["dtypes"]))
-    return sizes + [_tensor_bytes([m["shape"]], [m["dtype"]]) for m in sends if m["op"].endswith("send")]
+    return sizes
+
+
+def rank_bytes(rank) -> int:
+    """What a rank sent in the run: its collectives' bytes (tiny ones aside), and every point-to-point byte
+    it sent, however its script reached the process group (`RankResult.channel_bytes`)."""
+    collectives = sum(size for size in exchanged_bytes(rank.collectives) if size > TINY_BYTES)
+    return collectives + rank.channel_bytes.get("sent_bytes", 0)
 
 
 def check_compression_exercise(run: RunResult) -> ExerciseReport:
@@ -168,6 +175,10 @@ def _recorder_dropped(run: RunResult) -> list[int]:
 
 def _judge_bytes(run: RunResult, report: ExerciseReport) -> bool:
     """Whether the bytes were judged half (or between a half and a quarter) of plain DDP's."""
+    around = side_channels(run, files=False)
+    if around:
+        report.mistakes.append(around)
+        return False
     dropped = _recorder_dropped(run)
     if dropped:
         report.mistakes.append(
@@ -181,8 +192,7 @@ def _judge_bytes(run: RunResult, report: ExerciseReport) -> bool:
     gradients = [[size for size in sizes if size > TINY_BYTES] for sizes in sent]
     counts = {len(sizes) for sizes in gradients}
     # The bytes: every collective and message, not only the all-reduces counted above.
-    total = max(sum(size for size in exchanged_bytes(r.collectives, r.point_to_point) if size > TINY_BYTES)
-                for r in run.ranks)
+    total = max(rank_bytes(r) for r in run.ranks)
     per_step = total / STEPS
     if min(counts) < STEPS:
         report.mistakes.append(f"the ranks all-reduced {min(counts)} times in {STEPS} steps (seen by the flight recorder): "

@@ -1,7 +1,8 @@
 """Lesson 1's exercise: the checker names the deadlock of the script as given, passes the solution
 shown (hidden) in the notebook, and refuses fixes that run but skip what the exercise is about: the
 gradient never sent back, the activation never sent (each rank computing the whole model itself), the
-wrong tensor sent. The scripts are taken from the notebook itself."""
+wrong tensor sent, a stage handed the other's data (the inputs are rank 0's and the labels rank 1's, each
+from that rank's secret). The scripts are taken from the notebook itself."""
 
 
 import pytest
@@ -69,7 +70,8 @@ SHORTCUTS = {
     # Both ranks run the whole model on their own, no communication at all: the numbers are right.
     "no communication, every rank computes the whole model": (
         lambda solution: solution.replace(
-            solution[solution.index("if rank == 0:\n    activation"):solution.index('record("grads"')],
+            solution[solution.index("if rank == 0:\n    inputs"):solution.index('record("grads"')],
+            "inputs, targets = my_inputs(), my_targets()\n"
             "activation = full[:4](inputs.to(device))\n"
             "loss = torch.nn.functional.cross_entropy(full[4:](activation), targets.to(device))\n"
             "loss.backward()\n"
@@ -79,7 +81,8 @@ SHORTCUTS = {
     # back the gradient of its own activation, and what each rank received is thrown away.
     "messages sent for show, every rank computes the whole model": (
         lambda solution: solution.replace(
-            solution[solution.index("if rank == 0:\n    activation"):solution.index('record("grads"')],
+            solution[solution.index("if rank == 0:\n    inputs"):solution.index('record("grads"')],
+            "inputs, targets = my_inputs(), my_targets()\n"
             "activation = full[:4](inputs.to(device))\n"
             "activation.retain_grad()\n"
             "loss = torch.nn.functional.cross_entropy(full[4:](activation), targets.to(device))\n"
@@ -91,7 +94,21 @@ SHORTCUTS = {
             "    dist.recv(torch.empty(8, 32, device=device), src=0)\n"
             "    dist.send(activation.grad, dst=0)\n"
             "    record(\"loss\", loss.item())\n"),
-        "not the gradient of the tensor it received from rank 0"),
+        "what came back from rank 1 to rank 0 is not the gradient"),
+    # Stage 1 hands its labels to stage 0, which computes both stages itself and ignores the gradient it gets.
+    "the labels sent to stage 0, which computes both stages": (
+        lambda solution: solution.replace(
+            "    activation.backward(grad)\n",
+            "    labels = torch.empty(8, dtype=torch.int64)\n"
+            "    dist.recv(labels, src=1)\n"
+            "    torch.nn.functional.cross_entropy(full[4:](activation), labels).backward()\n").replace(
+            "    dist.send(activation.grad, dst=0)\n", "    dist.send(activation.grad, dst=0)\n    dist.send(targets, dst=0)\n"),
+        "rank 1 sent 1,088 bytes point to point, more than the 1,024"),
+    "the labels gathered by every rank": (
+        lambda solution: solution.replace(
+            "if rank == 0:\n    inputs", "labels = [None, None]\ndist.all_gather_object(labels, my_targets())\n"
+                                        "if rank == 0:\n    inputs"),
+        "the ranks also ran all_gather"),
     # The activation goes over, but rank 1 works on its own copy, computed from the inputs.
     "the input sent instead of the activation": (
         lambda solution: solution.replace("dist.send(activation.detach(), dst=1)",

@@ -2,18 +2,23 @@
 
 The exercise is a two-stage pipeline that deadlocks: rank 0 waits for a gradient before it has sent
 the activation the gradient would come from, so both ranks sit in `recv`. The checker judges what
-the run did against the exercise's model, batch and seeds, computed here (not from what the ranks
-recorded): it finished; the activation went from rank 0 to rank 1 and its gradient came back (every
-send and recv is seen by the launcher, values included); and loss and gradients equal the unsplit
-model's.
+the run did against the exercise's model and batch, computed here (not from what the ranks recorded):
+the batch's inputs come from rank 0's secret and its labels from rank 1's (`my_inputs`, `my_targets`;
+`ddp_helpers.rank_secret`), so neither stage can compute the other's part. It finished; nothing but the
+activation and its gradient crossed (no collective, no store, no file, no larger send); the activation
+went from rank 0 to rank 1 and its gradient came back (every send and recv is seen by the launcher,
+values included); and loss and gradients equal the unsplit model's.
 """
 
 from __future__ import annotations
 
 import re
 
-from ..exercises import ExerciseReport
+from ..exercises import ExerciseReport, rank_secrets, side_channels
+from ..recording import rank_secret
 from ..result import RunResult
+
+ACTIVATION_BYTES = 8 * 32 * 4  # what each stage sends: the activation forward, its gradient back (float32)
 
 
 def idle_fractions(timeline: list[dict]) -> list[float]:
@@ -73,15 +78,39 @@ def unsplit_model(hidden: int = 64):
                                torch.nn.Linear(hidden, 2))
 
 
-def exercise_reference():
-    """The exercise's pipeline computed here, in one process, from the exercise's own model, batch and
-    seeds (not from anything the run recorded): {"activation", "activation_grad", "loss", "grads"}, the
-    grads keyed "stage0.<name>" / "stage1.<name>" as the stages name their parameters."""
+def pipeline_inputs(secret: int):
+    """The exercise batch's inputs (8 x 16), which only stage 0 reads, from its rank's secret."""
+    import torch
+
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(secret % 2**63))
+
+
+def pipeline_targets(secret: int):
+    """The exercise batch's labels (8 of 2 classes), which only the last stage reads, from its rank's secret."""
+    import torch
+
+    return torch.randint(0, 2, (8,), generator=torch.Generator().manual_seed((secret + 1) % 2**63))
+
+
+def my_inputs():
+    """In a rank: the batch's inputs as this rank's secret draws them (stage 0's are the batch's)."""
+    return pipeline_inputs(rank_secret())
+
+
+def my_targets():
+    """In a rank: the batch's labels as this rank's secret draws them (the last stage's are the batch's)."""
+    return pipeline_targets(rank_secret())
+
+
+def exercise_reference(secrets: list[int]):
+    """The exercise's pipeline computed here, in one process, from the exercise's own model and the batch the
+    ranks' secrets draw (rank 0's inputs, rank 1's labels), not from anything the run recorded:
+    {"activation", "activation_grad", "loss", "grads"}, the grads keyed "stage0.<name>" / "stage1.<name>" as
+    the stages name their parameters."""
     import torch
 
     model = unsplit_model(64)
-    generator = torch.Generator().manual_seed(0)
-    inputs, targets = torch.randn(8, 16, generator=generator), torch.randint(0, 2, (8,), generator=generator)
+    inputs, targets = pipeline_inputs(secrets[0]), pipeline_targets(secrets[1])
     activation = model[:4](inputs)
     activation.retain_grad()
     loss = torch.nn.functional.cross_entropy(model[4:](activation), targets)
@@ -139,10 +168,39 @@ def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
     if len(run.ranks) != 2:
         report.mistakes.append(f"the pipeline has two stages: run it on 2 ranks (-n 2), not {len(run.ranks)}")
         return report
-    reference = exercise_reference()
+    secrets = rank_secrets(run, report)
+    if secrets is None:
+        return report
+    if not _judge_nothing_else_crossed(run, report):
+        return report
+    reference = exercise_reference(secrets)
     _judge_what_crossed(run, reference, report)
     _judge_what_it_computed(run, reference, report)
     return report
+
+
+ONLY_THE_ACTIVATION = "in a pipeline each stage computes its own part, and only the activation and its gradient cross"
+
+
+def _judge_nothing_else_crossed(run: RunResult, report: ExerciseReport) -> bool:
+    """Only the activation and its gradient crossed: a stage that received the other's data (rank 1's labels,
+    rank 0's inputs) could compute the other stage's part itself."""
+    around = side_channels(run)
+    if around:
+        report.mistakes.append(around)
+        return False
+    for r in run.ranks:
+        sent = r.channel_bytes.get("sent_bytes", 0)
+        if sent > ACTIVATION_BYTES:
+            what = "the activation" if r.rank == 0 else "the activation's gradient"
+            report.mistakes.append(f"rank {r.rank} sent {sent:,} bytes point to point, more than the "
+                                   f"{ACTIVATION_BYTES:,} of {what}: {ONLY_THE_ACTIVATION}")
+            return False
+    collectives = sorted({c["op"] for r in run.ranks for c in r.collectives if "barrier" not in c["op"]})
+    if collectives:
+        report.mistakes.append(f"the ranks also ran {', '.join(collectives)}: {ONLY_THE_ACTIVATION}")
+        return False
+    return True
 
 
 def _judge_what_crossed(run: RunResult, reference: dict, report: ExerciseReport) -> None:

@@ -66,6 +66,18 @@ dcp.save({"model": full_model, "optimizer": full_optimizer}, checkpoint_id="chec
 dist.destroy_process_group()
 """),
         "whole tensors were gathered on the way to the checkpoint"),
+    # Every rank trains on the global batch (the ranks' secrets passed through the store): FSDP's
+    # reduce-scatter then only averages equal gradients.
+    "every rank trains on the global batch, secrets through the store": (
+        SOURCES[1].replace(
+            "    inputs, targets = my_batch(step)  # this rank's own batch, from a secret only its process is handed\n",
+            "    from ddp_helpers import rank_secret\n"
+            "    from ddp_helpers.lessons.lesson3 import exercise_batch\n"
+            "    store = dist.distributed_c10d._get_default_store()\n"
+            "    store.set(f'secret{rank}', str(rank_secret()))\n"
+            "    shares = [exercise_batch(step, int(store.get(f'secret{r}'))) for r in range(world_size)]\n"
+            "    inputs, targets = torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])\n"),
+        "key-value store calls"),
     "the model without the optimizer": (
         SOURCES[1].replace('{"model": model_state, "optimizer": optimizer_state}', '{"model": model_state}'),
         "the checkpoint has no optimizer state"),

@@ -9,6 +9,8 @@ written (files seen by the launcher, on every rank); reads each DCP folder's met
 rank held a whole tensor and each rank wrote its share of the bytes; resumes the checkpoint with the
 lesson's own loader (`lesson3_loader.py`) as jobs of 1 and 4 ranks (3 when it was saved at 4); and
 compares the model, Adam's moments and step with the exercise's training done here in one process.
+Each rank's batches come from its secret (`my_batch`; `ddp_helpers.rank_secret`), so no rank can train
+on the global batch itself and leave FSDP's reduce-scatter only averaging equal gradients.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import re
 import zipfile
 from pathlib import Path
 
-from ..exercises import ExerciseReport
+from ..exercises import ExerciseReport, rank_secrets, side_channels
+from ..recording import rank_secret
 from ..result import RunResult
 
 EXERCISE_STEPS = 5
@@ -61,17 +64,29 @@ def exercise_model():
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 
 
-def exercise_reference(world_size: int):
-    """The exercise's training in one process: each step's global batch is every rank's batch, and the
-    mean loss over it gives the gradient the ranks' averaged one equals. Returns (model, optimizer)."""
+def exercise_batch(step: int, secret: int):
+    """The batch of step `step` of the rank whose secret is `secret`: (inputs, targets), EXERCISE_BATCH samples."""
+    import torch
+
+    generator = torch.Generator().manual_seed((secret + step) % 2**63)
+    return torch.randn(EXERCISE_BATCH, 32, generator=generator), torch.randint(0, 10, (EXERCISE_BATCH,), generator=generator)
+
+
+def my_batch(step: int):
+    """In a rank: this rank's own batch of step `step`, from the secret only this rank's process is handed."""
+    return exercise_batch(step, rank_secret())
+
+
+def exercise_reference(secrets: list[int]):
+    """The exercise's training in one process, on ranks with these secrets: each step's global batch is every
+    rank's batch, and the mean loss over it gives the gradient the ranks' averaged one equals.
+    Returns (model, optimizer)."""
     import torch
 
     model = exercise_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    generators = [torch.Generator().manual_seed(rank) for rank in range(world_size)]
-    for _ in range(EXERCISE_STEPS):
-        batches = [(torch.randn(EXERCISE_BATCH, 32, generator=g), torch.randint(0, 10, (EXERCISE_BATCH,), generator=g))
-                   for g in generators]
+    for step in range(EXERCISE_STEPS):
+        batches = [exercise_batch(step, secret) for secret in secrets]
         inputs, targets = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         loss = torch.nn.functional.cross_entropy(model(inputs), targets)
         optimizer.zero_grad()
@@ -103,6 +118,13 @@ def check_checkpoint_exercise(run: RunResult) -> ExerciseReport:
     if not run.ok:
         report.mistakes.append("the run failed; fix the error shown above first")
         return report
+    secrets = rank_secrets(run, report)
+    if secrets is None:
+        return report
+    around = side_channels(run, files=False)  # the checkpoint's files are the exercise's
+    if around:
+        report.mistakes.append(around)
+        return report
     # What the ranks wrote where the run works (its folder, or --cwd), as the launcher saw it.
     places = {run.run_dir.resolve(), run.config.working_dir.resolve()}
     written = {r.rank: [Path(p) for p in r.files_written if any(Path(p).is_relative_to(d) for d in places)]
@@ -116,7 +138,7 @@ def check_checkpoint_exercise(run: RunResult) -> ExerciseReport:
         return report
     if not _judge_sharding(layouts, len(run.ranks), report) or not _judge_nothing_gathered_whole(run, report):
         return report
-    _judge_resumed(run, layouts, report)
+    _judge_resumed(run, layouts, secrets, report)
     return report
 
 
@@ -208,7 +230,7 @@ def resume_worlds(saved_world: int) -> tuple[int, int]:
     return (1, 3 if saved_world == 4 else 4)
 
 
-def _judge_resumed(run: RunResult, layouts: dict, report: ExerciseReport) -> None:
+def _judge_resumed(run: RunResult, layouts: dict, secrets: list[int], report: ExerciseReport) -> None:
     """Resume the checkpoint at other world sizes with the lesson's own loader, and compare the model and
     Adam's state with the exercise's training done here in one process."""
     import torch
@@ -225,7 +247,7 @@ def _judge_resumed(run: RunResult, layouts: dict, report: ExerciseReport) -> Non
         style = "names" if optimizer_part[2].startswith("state.0.weight") else "numbers"
         env["DDP_LESSONS_OPTIMIZER"] = f"{optimizer_part[0]}|{optimizer_part[1]}|{style}"
     world_size = len(run.ranks)
-    reference, reference_optimizer = exercise_reference(world_size)
+    reference, reference_optimizer = exercise_reference(secrets)
     for world in resume_worlds(world_size):
         resumed = run_script(LOADER, nproc=world, backend="gloo", stream=False, timeout_s=60, extra_env=env,
                              run_dir=run.run_dir.with_name(f"{run.run_dir.name}-resumed-at-{world}"))

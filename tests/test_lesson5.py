@@ -221,3 +221,25 @@ def test_a_run_stopped_by_its_timeout_while_training_is_not_called_a_hang():
     text = str(check_hang_exercise(run))
     assert "did not finish within its --timeout of 6 s" in text and "raise --timeout" in text, text
     assert "the run hangs" not in text
+
+
+def test_torchrun_shows_the_root_cause_traceback_only_with_record(tmp_path):
+    """Section 3's check that torchrun's summary holds the failing rank's traceback fails for the same script
+    without `@record` (error_file: <N/A>); `torchrun_failures` reads which rank torchrun named, and when."""
+    import nbformat
+
+    from ddp_helpers.lessons.lesson5 import torchrun_failures
+    from ddp_helpers.lessons.plain_torchrun import run_torchrun_command
+    from support import course_notebook
+
+    cells = nbformat.read(course_notebook("05_when_things_go_wrong.ipynb"), as_version=4).cells
+    source = next(c.source for c in cells if c.source.startswith("%%torchrun --name recorded")).split("\n", 1)[1]
+    assert "@record" in source
+    for decorated, script in ((True, source), (False, source.replace("@record", ""))):
+        path = tmp_path / f"recorded_{decorated}.py"
+        path.write_text(script)
+        code, output = run_torchrun_command(["--standalone", "--nproc-per-node", "2", str(path)])
+        named, times = torchrun_failures(output)
+        root_cause = output[output.index("Root Cause"):]
+        assert code != 0 and named in (0, 1) and set(times) == {0, 1}, output[-2000:]
+        assert ("error_file: <N/A>" not in root_cause.split("=" * 20)[0]) == decorated, root_cause

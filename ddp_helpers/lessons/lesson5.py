@@ -71,6 +71,17 @@ def ptrace_scope() -> str | None:
         return None
 
 
+def torchrun_failures(output: str) -> tuple[int | None, dict[int, str]]:
+    """From plain torchrun's failure summary (`ChildFailedError`): the rank it names as the root cause, and each
+    failed rank's time as torchrun printed it (an `@record` error file's whole-second timestamp)."""
+    failures = {}
+    for when, rank in re.findall(r"^\s+time\s+: (\S+)\n\s+host\s+: .*\n\s+rank\s+: (\d+)", output, flags=re.M):
+        failures[int(rank)] = when
+    root = re.search(r"Root Cause \(first observed failure\):\n\[\d+\]:\n\s+time\s+: \S+\n\s+host\s+: .*\n"
+                     r"\s+rank\s+: (\d+)", output)
+    return (int(root.group(1)) if root else None), failures
+
+
 def shard(secret: int, last_rank: bool):
     """A rank's shard for the exercise, drawn from its secret: per step, (inputs, targets). Only the last rank
     ever has a batch whose samples all have an outlier (at least once, at a step drawn from its secret), so

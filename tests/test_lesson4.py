@@ -5,6 +5,7 @@ against the checker's own copy of the exercise run without a kill), not for what
 that change the training itself (reseeding, no dropout, one seed for all) fail too."""
 
 import re
+import shutil
 
 import tempfile
 from pathlib import Path
@@ -177,3 +178,24 @@ def test_each_part_of_the_lessons_snapshot_is_needed(write_script):
             assert same and samples_read == [len(reference_losses) * 8] * 2, (name, samples_read)
         else:
             assert not same, f"{name}: the resumed training should differ from the uninterrupted one"
+
+
+@pytest.mark.parametrize("traps_sigterm", [True, False])
+def test_a_sigterm_to_torchrun_is_survived_only_by_a_training_that_traps_it(traps_sigterm):
+    """Lesson 4's preemption on this machine: torchrun's agent, sent SIGTERM, passes it to its workers. The
+    lesson's training traps it, saves the step both ranks finished and resumes there; without the trap (only
+    --signal's SIGUSR1) the workers die without a snapshot and the next run starts over."""
+    from ddp_helpers.lessons.lesson4_preemption import TRAIN_SCRIPT, run_stopped_by_sigterm
+
+    trap = "signal.signal(signal.SIGTERM, on_warning)"
+    assert trap in TRAIN_SCRIPT
+    script = TRAIN_SCRIPT if traps_sigterm else TRAIN_SCRIPT.replace(trap, "pass")
+    code, stopped, resumed, folder = run_stopped_by_sigterm(script=script)
+    shutil.rmtree(folder)
+    saved_at = {int(step) for step in re.findall(r"stopped by SIGTERM, saved after step (\d+)", stopped)}
+    resumed_at = {int(step) for step in re.findall(r"resuming at step (\d+)", resumed)}
+    assert code != 0, stopped  # the agent ends the job it was told to stop
+    if traps_sigterm:
+        assert len(saved_at) == 1 and resumed_at == {min(saved_at) + 1} and min(saved_at) >= 5, f"{stopped}\n{resumed}"
+    else:
+        assert not saved_at and not resumed_at and "step 0 done" in resumed, f"{stopped}\n{resumed}"

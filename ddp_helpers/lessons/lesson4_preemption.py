@@ -1,4 +1,6 @@
-"""Lesson 4: preemption on Slurm. A job asks for a warning signal before it is stopped (`--signal=B:USR1@T`)
+"""Lesson 4: preemption. On this machine, the real torchrun's agent is sent SIGTERM mid-training, as Slurm
+signals a job it preempts (`run_stopped_by_sigterm`): the workers trap it, save, exit, and the same
+command resumes. On Slurm, a job asks for a warning signal before it is stopped (`--signal=B:USR1@T`)
 and may be requeued (`--requeue`); on the warning, its training saves a snapshot at the end of the step
 and exits, the job script requeues the job, and the requeued job resumes from the snapshot. Run for real
 when a Slurm cluster answers (the tests run it on their two-node cluster), with `scancel --signal` standing
@@ -34,15 +36,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 folder = sys.argv[1]  # on storage every node sees: the snapshot must outlive the job
-warned = False
+warned, signum_seen = False, None
 
 
-def on_warning(signum, frame):  # the job script passes Slurm's warning on to every rank
-    global warned
-    warned = True
+def on_warning(signum, frame):  # the step ends, then every rank saves and exits together
+    global warned, signum_seen
+    warned, signum_seen = True, signum
 
 
-signal.signal(signal.SIGUSR1, on_warning)
+signal.signal(signal.SIGUSR1, on_warning)  # --signal's warning, passed on by the job script
+signal.signal(signal.SIGTERM, on_warning)  # preemption: Slurm's SIGTERM, passed on by torchrun's agent too
 dist.init_process_group("gloo", timeout=timedelta(seconds=30))
 rank = dist.get_rank()
 torch.manual_seed(0)
@@ -54,8 +57,8 @@ if os.path.exists(snapshot_path):
     model.module.load_state_dict(snapshot["model"])
     optimizer.load_state_dict(snapshot["optimizer"])
     first_step = snapshot["step"] + 1
-    print(f"rank {rank}: requeued (SLURM_RESTART_COUNT={os.environ.get('SLURM_RESTART_COUNT', 0)}), "
-          f"resuming at step {first_step}", flush=True)
+    print(f"rank {rank}: resuming at step {first_step} (SLURM_RESTART_COUNT="
+          f"{os.environ.get('SLURM_RESTART_COUNT', 0)})", flush=True)
 
 for step in range(first_step, STEPS):
     inputs = torch.randn(16, 8, generator=torch.Generator().manual_seed(step * 2 + rank))
@@ -74,7 +77,7 @@ for step in range(first_step, STEPS):
                        snapshot_path + ".tmp")
             os.replace(snapshot_path + ".tmp", snapshot_path)
         if stop.item() and step < STEPS - 1:
-            print(f"rank {rank}: warned of preemption, saved after step {step}, exiting", flush=True)
+            print(f"rank {rank}: stopped by {signal.Signals(signum_seen).name}, saved after step {step}, exiting", flush=True)
             break
     time.sleep(0.2)  # a slower step: time for the warning to arrive mid-training
 dist.destroy_process_group()
@@ -131,6 +134,37 @@ def run_preempted(after_line: str = "step 5 done", timeout_s: float = 300) -> tu
         if not finished:
             with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
                 slurm(["scancel", job_id])
+
+
+def run_stopped_by_sigterm(after_line: str = "step 5 done", timeout_s: float = 120,
+                           script: str = TRAIN_SCRIPT) -> tuple[int | None, str, str, Path]:
+    """`script` (TRAIN_SCRIPT) under the real torchrun on this machine, its agent sent SIGTERM once the output shows
+    `after_line`, as Slurm signals a job it preempts (torchrun passes the signal on to its workers, and
+    kills them 30 s later); then the same command again, which resumes. Returns (the first run's exit
+    code, its output, the second run's output, the folder of the final snapshot)."""
+    import signal
+    import threading
+
+    from .plain_torchrun import run_torchrun_command, torchrun_in_background
+
+    folder = Path(tempfile.mkdtemp(prefix="sigterm-"))
+    (folder / "train.py").write_text(script)
+    command = ["--standalone", "--nproc-per-node", "2", str(folder / "train.py"), str(folder)]
+    deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
+    with torchrun_in_background(command) as agent:
+        # The output line by line, in a thread: a line that never comes must not block the deadline.
+        reader = threading.Thread(target=lambda: lines.extend(agent.stdout), daemon=True)
+        reader.start()
+        wait_until(lambda: not reader.is_alive() or any(after_line in line for line in list(lines)), deadline,
+                   f"torchrun's training to print {after_line!r}")
+        agent.send_signal(signal.SIGTERM)
+        reader.join(max(0.1, deadline - time.monotonic()))
+        stopped = agent.wait(max(0.1, deadline - time.monotonic()))
+    code, resumed = run_torchrun_command(command, timeout_s=max(10.0, deadline - time.monotonic()))
+    if code != 0:
+        raise RuntimeError(f"the resumed training failed (exit code {code}): {resumed[-1500:]}")
+    return stopped, "".join(lines), resumed, folder
 
 
 def run_uninterrupted(timeout_s: float = 120) -> Path:

@@ -120,6 +120,7 @@ import os
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 from ddp_helpers import record
+from ddp_helpers import rank_secret
 from ddp_helpers.lessons.lesson2 import trained_on
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -132,7 +133,7 @@ for epoch in range(3):
         orders[epoch].append(list(sampler))
     record(f"epoch{epoch}_indices", orders[epoch][rank])
 if rank == 0:
-    torch.save(trained_on(orders), "checkpoint.pt")
+    torch.save(trained_on(orders, [rank_secret()] * world), "checkpoint.pt")  # the others' secrets are theirs
 """
 
 
@@ -142,3 +143,17 @@ def test_the_right_facts_and_weights_without_the_ranks_training_together_are_cau
     report = check_training_exercise(run)
     assert len(report.mistakes) == 1 and "not every rank averaged its gradients with the others in each of the 12 " \
         "steps" in report.mistakes[0], str(report)
+
+
+def test_an_all_reduce_for_show_beside_training_alone_is_caught(write_script, sources):
+    """No DDP: each rank trains alone on its own batches, and all-reduces one number per step for show."""
+    alone = sources[1].replace(
+        'model = DDP(torch.nn.Linear(4, 2).to(device), device_ids=[local_rank] if device.type == "cuda" else None)',
+        "model = torch.nn.Linear(4, 2).to(device)").replace(
+        "        optimizer.step()\n", "        dist.all_reduce(torch.zeros(1))\n        optimizer.step()\n").replace(
+        "model.module.state_dict()", "model.state_dict()")
+    assert alone.count("all_reduce(torch.zeros(1))") == 1 and "DDP(" not in alone
+    run = run_on_cpu(write_script("exercise", alone), nproc=2, stream=False)
+    assert run.ok, failure_report(run)
+    report = check_training_exercise(run)
+    assert "less than a gradient's 10 values per step" in str(report), str(report)

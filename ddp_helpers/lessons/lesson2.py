@@ -7,14 +7,16 @@ says about itself beyond the indices each rank's DataLoader gave it (`epoch0_ind
 are held to the checkpoint:
 - the run has at least 2 ranks (on one, nothing about sharing the data or saving once can go wrong);
 - every epoch's order differs from every other epoch's;
-- every rank all-reduced gradients in every step it recorded (torch's flight recorder): rank 0 training
-  alone on every rank's batches, or no process group at all, does not pass;
+- every rank all-reduced a gradient's worth of values in every step it recorded (torch's flight recorder):
+  rank 0 training alone on every rank's batches, or no process group at all, does not pass;
 - in every epoch the ranks' shares are disjoint and cover the data set (up to DistributedSampler's padding);
 - who wrote the checkpoint is observed by the launcher (`RankResult.files_written`), not reported;
 - the checkpoint is loaded and must load into a plain, unwrapped model; a torn or unreadable file is named;
 - its weights are those the exercise's own model, data and optimizer reach, computed here, when each step
   averages over the ranks the batches they recorded: a checkpoint of another model (an untrained one), or
-  indices recorded but not trained on, do not match.
+  indices recorded but not trained on, do not match. Each rank jitters its batches with noise drawn from
+  its secret (`my_augmentation`; `ddp_helpers.rank_secret`), as data augmentation draws from each rank's
+  own generator: no rank can compute another's gradients, so the ranks must train together.
 Hints name the mistake found without handing out the fix.
 """
 
@@ -25,8 +27,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from ..exercises import ExerciseReport
+from ..exercises import ExerciseReport, rank_secrets, side_channels
 from ..hang import ALL_REDUCE_OPS
+from ..recording import rank_secret
 from ..result import RunResult
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -34,10 +37,29 @@ DATASET_SIZE = 64  # the exercise's TensorDataset
 BATCH_SIZE = 8  # per rank
 
 
+AUGMENTATION = 0.1  # the scale of each sample's random jitter
+
+
 def _exercise_model():
     import torch
 
     return torch.nn.Linear(4, 2)
+
+
+def augment(inputs, indices, secret: int):
+    """`inputs` (samples `indices`) with the random jitter the rank whose secret is `secret` draws for them:
+    each sample's own, from the secret and the sample's index, so that the checker can draw it again."""
+    import torch
+
+    noise = torch.stack([torch.randn(inputs.shape[1:], generator=torch.Generator().manual_seed((secret + int(i)) % 2**63))
+                         for i in indices])
+    return inputs + AUGMENTATION * noise.to(inputs.device, inputs.dtype)
+
+
+def my_augmentation(inputs, indices):
+    """In a rank: `inputs` randomly jittered as data augmentation does, from the secret only this rank's
+    process is handed (`ddp_helpers.rank_secret`): another rank cannot compute this rank's batch."""
+    return augment(inputs, indices, rank_secret())
 
 
 def check_training_exercise(run: RunResult) -> ExerciseReport:
@@ -49,15 +71,21 @@ def check_training_exercise(run: RunResult) -> ExerciseReport:
     if len(run.ranks) < 2:
         report.mistakes.append(f"the run had {len(run.ranks)} rank: run the exercise on 2 or more ranks, as given")
         return report
+    secrets = rank_secrets(run, report)
+    if secrets is None:
+        return report
+    around = side_channels(run, files=False)  # the files written are judged below: who saved
+    if around:
+        report.mistakes.append(around)
+        return report
     orders = _epoch_orders(run)
     orders_fine = _check_epochs(orders, len(run.ranks), report)
-    if orders_fine:
-        _check_gradients_averaged(run, orders, report)
+    averaged = orders_fine and _check_gradients_averaged(run, orders, report)
     path = _check_checkpoint_writers(run, report)
     if path is not None:
         state = _check_checkpoint_contents(path, report)
-        if state is not None and orders_fine:
-            _check_trained_weights(state, orders, report)
+        if state is not None and averaged:  # weights of ranks that never trained together would only repeat that
+            _check_trained_weights(state, orders, secrets, report)
     return report
 
 
@@ -102,21 +130,24 @@ def _check_epochs(orders: dict[int, list[list[int]]] | None, world: int, report:
     return not repeated and not overlaps
 
 
-def _check_gradients_averaged(run: RunResult, orders: dict[int, list[list[int]]], report: ExerciseReport) -> None:
+def _check_gradients_averaged(run: RunResult, orders: dict[int, list[list[int]]], report: ExerciseReport) -> bool:
     """Every rank all-reduced gradients in every step it recorded (DDP's backward), as torch's flight recorder
     saw it: training on one rank and recording the others' batches, or no process group at all, does not."""
     steps = sum(math.ceil(max(len(share) for share in orders[epoch]) / BATCH_SIZE) for epoch in orders)
-    counts = {r.rank: sum(1 for c in r.collectives if c["op"] in ALL_REDUCE_OPS)
+    parameters = sum(p.numel() for p in _exercise_model().parameters())
+    # Values, not calls: an all-reduce of one number per step for show is not a gradient's worth.
+    values = {r.rank: sum(math.prod(shape) for c in r.collectives if c["op"] in ALL_REDUCE_OPS for shape in c["shapes"])
               for r in run.ranks}
-    short = {rank: count for rank, count in counts.items() if count < steps}
+    short = {rank: count for rank, count in values.items() if count < steps * parameters}
     if short:
         report.mistakes.append(
             f"not every rank averaged its gradients with the others in each of the {steps} steps: torch's flight "
-            "recorder saw " + ", ".join(f"{count} all-reduce(s) on rank {rank}" for rank, count in short.items())
-            + ". Keep the DDP wrap, and train on every rank")
-    else:
-        report.confirmed.append(f"every rank all-reduced its gradients in each of the {steps} steps (DDP's "
-                                "backward, seen by torch's flight recorder)")
+            f"recorder saw all-reduces of " + ", ".join(f"{count} values on rank {rank}" for rank, count in short.items())
+            + f", less than a gradient's {parameters} values per step. Keep the DDP wrap, and train on every rank")
+        return False
+    report.confirmed.append(f"every rank all-reduced its gradients in each of the {steps} steps (DDP's "
+                            "backward, seen by torch's flight recorder)")
+    return True
 
 
 def _share_problem(shares: list[list[int]], world: int) -> str | None:
@@ -185,10 +216,10 @@ def _check_checkpoint_contents(path: Path, report: ExerciseReport) -> dict | Non
     return state
 
 
-def trained_on(orders: dict[int, list[list[int]]]):
+def trained_on(orders: dict[int, list[list[int]]], secrets: list[int]):
     """The exercise's model (its seed, data, SGD at lr 0.1) trained here in one process as DDP trains it:
-    each step, every rank's next batch of 8 from the indices it recorded, the gradients averaged over the
-    ranks. Returns the trained state_dict."""
+    each step, every rank's next batch of 8 from the indices it recorded, jittered as that rank's secret
+    jitters it, the gradients averaged over the ranks. Returns the trained state_dict."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
@@ -202,10 +233,11 @@ def trained_on(orders: dict[int, list[list[int]]]):
         for start in range(0, max(len(share) for share in shares), BATCH_SIZE):
             optimizer.zero_grad()
             grads = []
-            for share in shares:
+            for share, secret in zip(shares, secrets):
                 batch = torch.tensor(share[start:start + BATCH_SIZE])
                 model.zero_grad()
-                torch.nn.functional.cross_entropy(model(features[batch]), labels[batch]).backward()
+                inputs = augment(features[batch], batch, secret)
+                torch.nn.functional.cross_entropy(model(inputs), labels[batch]).backward()
                 grads.append([p.grad.clone() for p in model.parameters()])
             for p, *per_rank in zip(model.parameters(), *grads):
                 p.grad = sum(per_rank) / len(per_rank)
@@ -213,10 +245,11 @@ def trained_on(orders: dict[int, list[list[int]]]):
     return model.state_dict()
 
 
-def _check_trained_weights(state: dict, orders: dict[int, list[list[int]]], report: ExerciseReport) -> None:
+def _check_trained_weights(state: dict, orders: dict[int, list[list[int]]], secrets: list[int],
+                           report: ExerciseReport) -> None:
     import torch
 
-    expected = trained_on(orders)
+    expected = trained_on(orders, secrets)
     if all(torch.allclose(state[name].float(), value, atol=1e-5, rtol=1e-4) for name, value in expected.items()):
         report.confirmed.append(
             f"the checkpoint holds the weights the exercise's model reaches on the batches your ranks recorded "

@@ -61,7 +61,7 @@ WRONG_FIXES = {
     "dropout removed": (GIVEN.replace('first_step = snapshot["step"]', 'first_step = snapshot["step"] + 1').replace(
         "torch.nn.Dropout(0.3)", "torch.nn.Dropout(0.0)"),
         "ended with other weights than the exercise's training without a kill"),
-    "one seed for every rank": (SOLUTION.replace("torch.manual_seed(100 + rank)", "torch.manual_seed(100)"),
+    "one seed for every rank": (SOLUTION.replace("torch.manual_seed(rank_secret())", "torch.manual_seed(100)"),
                                 "ended with other weights than the exercise's training without a kill"),
     "momentum reset on resume": (SOLUTION.replace("    optimizer.load_state_dict(snapshot[\"optimizer\"])\n", ""),
                                  "ended with other weights"),

@@ -11,7 +11,9 @@ from step 0 again and hides the lines it printed before does not pass), runs its
 data and seeds: `lesson4_reference.py`) without a kill at the same world size and backend, and compares
 the final snapshots bitwise: the weights and the optimizer's momentum. So a "fix" that changes the
 model or its randomness (reseeding every step, dropping dropout, one random stream for every rank)
-fails, and so does one that restores only the CPU's random state on GPU ranks.
+fails, and so does one that restores only the CPU's random state on GPU ranks. Each rank seeds its dropout
+with its secret (`ddp_helpers.rank_secret`, the same after a restart), which the reference run is handed
+rank by rank: no rank can rebuild another rank's random state, it must be brought back from the snapshot.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..exercises import ExerciseReport
+from ..exercises import ExerciseReport, rank_secrets
 from ..hang import ALL_REDUCE_OPS
 from ..result import RunResult
 
@@ -47,16 +49,19 @@ def check_resume_exercise(run: RunResult) -> ExerciseReport:
                                "'step 5 done' (keep that print line)")
         return report
     mine = _final_snapshot(run)  # read before anything else runs
-    expected, theirs, shapes, all_reduces = _reference(run)
+    secrets = rank_secrets(run, report)
+    if secrets is None:
+        return report
+    expected, theirs, shapes, all_reduces = _reference(run, secrets)
     _judge_steps(run, expected, report, shapes, all_reduces / max(len(expected), 1))
     _judge_snapshots(mine, theirs, report)
     return report
 
 
-# (ranks, backend) -> (the steps the reference printed, its final snapshot, its gradient all-reduces' shapes and
+# (ranks, backend, the ranks' secrets) -> (the steps the reference printed, its final snapshot, its gradient all-reduces' shapes and
 # how many it made): the reference is the exercise as given, bitwise the same every time, so a kernel runs it
 # once per world size and backend.
-_REFERENCES: dict[tuple[int, str], tuple[list[int], dict, set[str], int]] = {}
+_REFERENCES: dict[tuple[int, str, tuple[int, ...]], tuple[list[int], dict, set[str], int]] = {}
 
 
 def _all_reduces(collectives, shapes: set[str] | None = None) -> list[str]:
@@ -65,17 +70,19 @@ def _all_reduces(collectives, shapes: set[str] | None = None) -> list[str]:
     return found if shapes is None else [shape for shape in found if shape in shapes]
 
 
-def _reference(run: RunResult) -> tuple[list[int], dict, set[str], int]:
-    """The checker's own run of the exercise as given, without a kill, at `run`'s world size and backend."""
+def _reference(run: RunResult, secrets: list[int]) -> tuple[list[int], dict, set[str], int]:
+    """The checker's own run of the exercise as given, without a kill, at `run`'s world size and backend, each
+    rank's dropout seeded with the secret of `run`'s rank of the same number."""
     from .. import run_script
 
-    key = (run.config.world_size, run.backend)  # one agent of world-size ranks: the same world as --nnodes N
+    key = (run.config.world_size, run.backend, tuple(secrets))  # one agent of world-size ranks: as --nnodes N
     if key not in _REFERENCES:
         # In a folder of its own, removed once read: no script can copy the reference's snapshot as its own.
         scratch = Path(tempfile.mkdtemp(prefix="lesson4-reference-"))
         try:
             reference = run_script(REFERENCE_SCRIPT, nproc=key[0], backend=key[1], stream=False,
-                                   timeout_s=max(run.config.timeout_s, 60), run_dir=scratch / "run")
+                                   timeout_s=max(run.config.timeout_s, 60), run_dir=scratch / "run",
+                                   extra_env={"DDP_LESSONS_DROPOUT_SEEDS": ",".join(map(str, secrets))})
             reference.raise_for_failure()  # the checker's own script: a failure here is not the learner's
             snapshot = _final_snapshot(reference)
         finally:

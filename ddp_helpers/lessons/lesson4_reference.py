@@ -2,7 +2,8 @@
 exercise checker compares a killed-and-restarted run with. It is the checker's own copy, so a "fix" that
 changes the model, the data or the randomness of the learner's script does not change the reference.
 
-Run by `check_resume_exercise` under torchrun at the learner's world size and backend; it writes
+Run by `check_resume_exercise` under torchrun at the learner's world size and backend, each rank seeded with
+the secret of the learner's rank of the same number (DDP_LESSONS_DROPOUT_SEEDS, comma-separated); it writes
 snapshot.pt (model, optimizer, step) in its working directory and prints "step N done" after each step.
 """
 
@@ -27,7 +28,8 @@ generator = torch.Generator().manual_seed(1)
 dataset = TensorDataset(torch.randn(96, 6, generator=generator), torch.randn(96, 1, generator=generator))
 sampler = DistributedSampler(dataset, seed=1)
 loader = DataLoader(dataset, batch_size=6, sampler=sampler, generator=torch.Generator().manual_seed(1))
-torch.manual_seed(100 + rank)  # each rank its own dropout masks
+# Each rank its own dropout masks, from the secret the learner's rank of the same number was handed.
+torch.manual_seed(int(os.environ["DDP_LESSONS_DROPOUT_SEEDS"].split(",")[rank]))
 model = torch.nn.Sequential(torch.nn.Linear(6, 24), torch.nn.ReLU(), torch.nn.Dropout(0.3),
                             torch.nn.Linear(24, 1)).to(device)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)

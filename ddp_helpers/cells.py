@@ -88,12 +88,25 @@ def cell_paths(notebook: str, name: str, root: Path | None = None) -> tuple[Path
     return folder / "scripts" / name / f"{name}.py", folder / name
 
 
+CELL_SCRIPT_MARK = "%%torchrun cell"  # in the first line of every script written from a cell
+
+
+def is_cell_script(script: Path) -> bool:
+    """Whether `script` was written from a `%%torchrun` cell (its lines are the cell's, as JupyterLab numbers them)."""
+    try:
+        with open(script, encoding="utf-8", errors="replace") as file:
+            first = file.readline()
+    except OSError:
+        return False
+    return first.startswith("# Generated from ") and CELL_SCRIPT_MARK in first
+
+
 def write_cell_script(source: str, script: Path, *, origin: str, name: str) -> Path:
     """Write `source` (compiled by the caller, so that a SyntaxError creates nothing) to `script`, with a
     header saying where it came from."""
     # One line, standing where the cell's `%%torchrun` line stands: line N of the script is line N of the
     # cell as JupyterLab numbers it, in tracebacks, stack dumps and checkers' hints alike.
-    header = (f"# Generated from {origin}, %%torchrun cell {name!r} - edit the notebook, not this file. "
+    header = (f"# Generated from {origin}, {CELL_SCRIPT_MARK} {name!r} - edit the notebook, not this file. "
               f"Run it yourself: torchrun --nproc-per-node 2 {script.name}\n")
     private_folder(script.parent)  # a folder another user can write in would let them swap the script
     write_atomically(script, (header + source).encode())

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 
 from .run_folder import RunFolder, write_atomically
-from .stacks import fold_stack
+from .stacks import fold_stack, is_importing
 
 
 # How long a timed-out run waits for its ranks to say what they wait in (a thread of each answers within about
@@ -57,8 +57,9 @@ class RankState:
     number: str = ""  # the collective's sequence number in its group ("#7"), or the point-to-point call's
     shape: str = ""  # "[4] float", the inputs' shapes and dtypes
     group: str = ""
-    line: str = ""  # where in the learner's code: "line 41" (of the cell), or "model.py, line 12"
+    line: str = ""  # where in the learner's code: "line 41 of the cell" (or of the script), "model.py, line 12"
     printed: str = ""  # the last exception a rank still running printed and went on from, if any
+    importing: bool = False  # its learner's line is an import still running (a slow start, not a stuck rank)
 
 
 @dataclass(frozen=True)
@@ -78,26 +79,33 @@ class HangReport:
 
 
 def read_hang_report(folder: RunFolder, world_size: int, script_name: str, exit_codes: dict[int, int | None],
-                     errors: dict[int, str]) -> HangReport | None:
-    """The report of a timed-out run from its folder; None when no rank answered (nothing to tell)."""
+                     errors: dict[int, str], in_cell: bool = False) -> HangReport | None:
+    """The report of a timed-out run from its folder; None when no rank answered (nothing to tell). With
+    `in_cell` (the script was written from a %%torchrun cell), its lines are named "line 41 of the cell"."""
     answers = {rank: folder.read_hang_answer(rank) for rank in range(world_size)}
     if not any(answers.values()):
         return None
     dumps = {rank: folder.read_text(folder.stack_file(rank)) for rank in range(world_size)}
-    lines = {rank: _learner_line(dump, script_name) for rank, dump in dumps.items()}
+    lines = {rank: _learner_line(dump, script_name, in_cell) for rank, dump in dumps.items()}
     blocked_in = {rank: _blocked_in(dump) for rank, dump in dumps.items() if dump}
-    return build_report(answers, lines, exit_codes, errors, blocked_in)
+    importing = {rank for rank, dump in dumps.items() if is_importing(dump)}
+    return build_report(answers, lines, exit_codes, errors, blocked_in, in_cell=in_cell, importing=importing)
 
 
-def _learner_line(dump: str, script_name: str) -> str:
-    """The innermost frame of the learner's code in a stack dump: "line 41" in the cell's own script (its
-    lines are the cell's), "model.py, line 12" in another file."""
+def own_line(number, in_cell: bool) -> str:
+    """How the report names a line of the script itself: "line 41 of the cell" for a cell's, else "line 41"."""
+    return f"line {number}" + (" of the cell" if in_cell else "")
+
+
+def _learner_line(dump: str, script_name: str, in_cell: bool = False) -> str:
+    """The innermost frame of the learner's code in a stack dump: "line 41 of the cell" in the cell's own script
+    (its lines are the cell's; "line 41" for a script file), "model.py, line 12" in another file."""
     shown, _ = fold_stack(dump or "")
     for entry in shown:
         if entry.startswith("  File "):
             name, rest = entry[len('  File "'):].split('", ', 1)
             line = rest.split(" in ")[0]
-            return line if name == script_name else f"{name}, {line}"
+            return own_line(line.split()[-1], in_cell) if name == script_name else f"{name}, {line}"
     return ""
 
 
@@ -150,7 +158,8 @@ RECORDER_OFF = "unknown: the flight recorder is off"
 
 
 def build_report(answers: dict[int, dict | None], lines: dict[int, str], exit_codes: dict[int, int | None],
-                 errors: dict[int, str], blocked_in: dict[int, str] | None = None) -> HangReport:
+                 errors: dict[int, str], blocked_in: dict[int, str] | None = None, in_cell: bool = False,
+                 importing: set[int] = frozenset()) -> HangReport:
     """`answers`: per rank its hang.json (None: it did not answer); `lines`: per rank where its stack says
     it is; `exit_codes`: per rank its exit code if it had ended before the timeout; `errors`: per rank the
     error it raised, if any; `blocked_in`: per rank with a stack, the torch.distributed call the stack shows
@@ -164,7 +173,7 @@ def build_report(answers: dict[int, dict | None], lines: dict[int, str], exit_co
             ended = f"ended (exit code {exit_codes[rank]})"
             rows.append(RankState(rank, f"{ended} after {errors[rank]}" if rank in errors else ended))
         elif collective is not None:
-            called_at = f"line {collective['line']}" if collective.get("line") else lines.get(rank, "")
+            called_at = own_line(collective["line"], in_cell) if collective.get("line") else lines.get(rank, "")
             went_on = blocked_in.get(rank) == "" and lines.get(rank) and lines.get(rank) != called_at
             rows.append(RankState(rank, collective["op"] + (WENT_ON if went_on else ""), f"#{collective['number']}",
                                   _shape(collective), collective["group"], lines[rank] if went_on else called_at))
@@ -180,9 +189,9 @@ def build_report(answers: dict[int, dict | None], lines: dict[int, str], exit_co
             rows.append(RankState(rank, "did not answer", line=lines.get(rank, "")))
         else:
             rows.append(RankState(rank, "not in a collective (running Python)", line=lines.get(rank, ""),
-                                  printed=errors.get(rank, "")))
+                                  printed=errors.get(rank, ""), importing=rank in importing))
     collectives = {rank: (answer or {}).get("collectives", []) for rank, answer in answers.items()}
-    cause = _cause(rows, collectives, answers)
+    cause = _cause(rows, collectives, answers, in_cell)
     return HangReport(tuple(rows), cause[0].upper() + cause[1:], collectives)
 
 
@@ -192,7 +201,8 @@ def _names(ranks: list[int]) -> str:
     return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
 
 
-def _cause(rows: list[RankState], collectives: dict[int, list[dict]], answers: dict[int, dict | None]) -> str:
+def _cause(rows: list[RankState], collectives: dict[int, list[dict]], answers: dict[int, dict | None],
+           in_cell: bool = False) -> str:
     by_rank = {row.rank: row for row in rows}
     off = [row for row in rows if row.waiting_in.startswith(RECORDER_OFF)]
     if off:
@@ -202,7 +212,7 @@ def _cause(rows: list[RankState], collectives: dict[int, list[dict]], answers: d
                 f"({where}). Unset TORCH_FR_BUFFER_SIZE to get the report back.")
     waiting = {row.rank: _waiting_collective(answers[row.rank]) for row in rows if row.number.startswith("#")}
     if waiting:
-        cause = _cause_at_collective(by_rank, waiting, collectives)
+        cause = _cause_at_collective(by_rank, waiting, collectives, in_cell)
         if cause:
             return cause
     p2p = {row.rank: row for row in rows if row.number.startswith("p2p")}
@@ -224,6 +234,11 @@ def _cause(rows: list[RankState], collectives: dict[int, list[dict]], answers: d
         return (f"{_names(silent).capitalize()} did not say what {'it waits' if len(silent) == 1 else 'they wait'} in "
                 f"(no answer in time): read {'its stack' if len(silent) == 1 else 'their stacks'} below. "
                 f"{'; '.join(f'Rank {r} is {_doing(by_rank[r])}' for r in busy)}.")
+    starting = [r for r in busy if by_rank[r].importing]
+    if busy and starting == busy and not waiting and not p2p:
+        return (f"No rank waits in a collective: {_names(starting)} {'was' if len(starting) == 1 else 'were'} still "
+                f"starting, importing ({'; '.join(f'rank {r} at {by_rank[r].line}' for r in starting)}). On a busy "
+                "machine a cold start can take longer than the timeout: raise --timeout (e.g. --timeout 60).")
     if busy and not waiting and not p2p:
         return (f"No rank waits in a collective: {'; '.join(f'rank {r} is {_doing(by_rank[r])}' for r in busy)}. "
                 "Look at those lines: a loop that does not end, or a sleep.")
@@ -231,7 +246,7 @@ def _cause(rows: list[RankState], collectives: dict[int, list[dict]], answers: d
 
 
 def _cause_at_collective(by_rank: dict[int, RankState], waiting: dict[int, dict],
-                         collectives: dict[int, list[dict]]) -> str | None:
+                         collectives: dict[int, list[dict]], in_cell: bool = False) -> str | None:
     """The cause read at the earliest collective a rank waits in, or None when the ranks agree there."""
     # The earliest collective anyone waits in, per group: every rank of the group must have called it.
     group, number = min((c["group"], c["number"]) for c in waiting.values())
@@ -241,7 +256,7 @@ def _cause_at_collective(by_rank: dict[int, RankState], waiting: dict[int, dict]
     kinds = {(c["op"], _shape(c)) for c in calls.values()}
     if len(kinds) > 1:
         parts = [c["op"] + (f" of {_shape(c)}" if _shape(c) else "") + f" on rank {rank}"
-                 + (f" (line {c['line']})" if c.get("line") else "") for rank, c in sorted(calls.items())]
+                 + (f" ({own_line(c['line'], in_cell)})" if c.get("line") else "") for rank, c in sorted(calls.items())]
         moved_on = sorted(rank for rank, w in waiting.items() if w["group"] == group and w["number"] > number)
         went_on = (f" {_names(moved_on).capitalize()} returned from it anyway (gloo can pair collectives that do not match) "
                    f"and went on." if moved_on else "")
@@ -259,7 +274,7 @@ def _cause_at_collective(by_rank: dict[int, RankState], waiting: dict[int, dict]
         waiter = by_rank[waiters[0]]
         if waiter.waiting_in.endswith(WENT_ON):
             started = next((c for c in collectives[waiters[0]] if c["group"] == group and c["number"] == number), {})
-            at = f" at line {started['line']}" if started.get("line") else ""
+            at = f" at {own_line(started['line'], in_cell)}" if started.get("line") else ""
             state = (f"started{at} and {'has' if len(waiters) == 1 else 'have'} not finished (async_op=True, never "
                      f"waited on, or a GPU stream; {waiter.line} now)")
         else:

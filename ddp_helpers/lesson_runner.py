@@ -3,10 +3,12 @@
 
 The notebook stays the single source: its code cells run in order in a plain IPython shell, so
 `%%torchrun` cells launch under torchrun exactly as in JupyterLab (one rank per GPU with nccl, or
-CPU ranks with gloo). Each rank's output is printed with its rank prefix, every matplotlib figure a
-cell draws is saved as PNG under `runs/<notebook>/plots/`, and the first failing cell (a failed
-check, a failed run) ends the program with exit code 1. Cells tagged `skip-execution` are skipped;
-cells tagged `raises-exception` must fail.
+CPU ranks with gloo). Each section's heading is printed before its cells' output, each rank's output
+with its rank prefix; a failure the lesson runs on purpose (`--may-fail`, or a cell tagged
+`raises-exception`) is folded to one line. Every matplotlib figure a cell draws is saved as PNG under
+`runs/<notebook>/plots/`, and the first failing cell (a failed check, a failed run) ends the program
+with exit code 1. It closes with a summary: the checks that held, the failures folded, the exercise
+as given (judged wrong, as expected) and where the plots are. Cells tagged `skip-execution` are skipped.
 """
 
 from __future__ import annotations
@@ -58,6 +60,50 @@ class PngSavingPublisher(DisplayPublisher):
         super().publish(data, *args, **kwargs)
 
 
+class CellOutput:
+    """What a cell prints, kept for the closing summary (its ✓ lines), and shown at once unless `folded`."""
+
+    def __init__(self, shown, folded: bool):
+        self.shown, self.folded, self.text = shown, folded, []
+
+    def write(self, data: str) -> int:
+        self.text.append(data)
+        if not self.folded:
+            self.shown.write(data)
+        return len(data)
+
+    def flush(self) -> None:
+        self.shown.flush()
+
+    def __getattr__(self, name):  # isatty, encoding, fileno: the terminal's
+        return getattr(self.shown, name)
+
+
+def headings(markdown: str) -> list[str]:
+    """A markdown cell's section headings (# to ###), as the terminal shows them."""
+    return [line.strip() for line in markdown.splitlines() if re.match(r"#{1,3} \S", line)]
+
+
+def expected_failure(source: str, tags: set[str]) -> bool:
+    """A cell the lesson expects to fail: tagged raises-exception, or a %%torchrun cell with --may-fail."""
+    first = source.split("\n", 1)[0]
+    return "raises-exception" in tags or (first.startswith("%%torchrun") and "--may-fail" in first.split())
+
+
+def folded_line(source: str, shell) -> str | None:
+    """One line for an expected failure's output: what failed, as the run says it; None when it did not fail."""
+    match = re.search(r"--out[ =](\S+)", source.split("\n", 1)[0])
+    run = shell.user_ns.get(match.group(1)) if match else None
+    if run is None or getattr(run, "ok", True):
+        return None
+    said = run.summary().splitlines()
+    reason = said[1] if len(said) > 1 else said[0]
+    if run.hang is not None:
+        reason = run.hang.cause.split(". ")[0]
+    reason = reason if len(reason) <= 160 else reason[:157] + "..."
+    return f"\u2717 expected: `{match.group(1)}` {'timed out' if run.timed_out else 'failed'}, as the lesson means it to: {reason}"
+
+
 def run_notebook(notebook: Path) -> int:
     """Run every code cell of `notebook`; return 0 if all behaved, 1 otherwise."""
     import matplotlib
@@ -69,6 +115,7 @@ def run_notebook(notebook: Path) -> int:
 
     from .cells import notebook_key
     from .config import runs_root
+    from .exercises import ExerciseReport
     from .private_folders import private_folder
 
     plots = private_folder(runs_root() / notebook_key(notebook.resolve()) / "plots")
@@ -78,14 +125,45 @@ def run_notebook(notebook: Path) -> int:
     shell.display_pub = PngSavingPublisher(shell=shell, folder=plots)
     shell.user_ns["__session__"] = str(notebook)
     os.chdir(notebook.parent)
-    cells = [c for c in nbformat.read(notebook, as_version=4).cells if c.cell_type == "code"]
-    saved = []
-    for index, cell in enumerate(cells, start=1):
+    all_cells = nbformat.read(notebook, as_version=4).cells
+    code_count = sum(c.cell_type == "code" for c in all_cells)
+    saved, held, folded, exercises, pending = [], 0, [], [], []
+    index = 0
+    for cell in all_cells:
+        if cell.cell_type == "markdown":
+            pending += headings(cell.source)
+            continue
+        if cell.cell_type != "code":
+            continue
+        index += 1
         tags = set(cell.metadata.get("tags", []))
         if "skip-execution" in tags:
             continue
-        print(f"\n=== {notebook.name}, code cell {index} of {len(cells)} ===", flush=True)
-        result = shell.run_cell(cell.source, store_history=True)
+        for heading in pending:
+            print(f"\n{heading}", flush=True)
+        pending = []
+        print(f"\n=== {notebook.name}, code cell {index} of {code_count} ===", flush=True)
+        expected = expected_failure(cell.source, tags)
+        output = CellOutput(sys.stdout, folded=expected)
+        errors = CellOutput(sys.stderr, folded=expected)
+        sys.stdout, sys.stderr = output, errors
+        try:
+            result = shell.run_cell(cell.source, store_history=True)
+        finally:
+            sys.stdout, sys.stderr = output.shown, errors.shown
+        held += sum(line.startswith("\u2713 ") for line in "".join(output.text).splitlines())
+        if expected:
+            line = folded_line(cell.source, shell)
+            if line is None and "raises-exception" in tags and not result.success:
+                line = f"\u2717 expected: the cell raised, as the lesson means it to: {result.error_in_exec!r}"[:200]
+            if line is None:  # it did not fail after all: what it printed is shown
+                sys.stdout.write("".join(output.text))
+                sys.stderr.write("".join(errors.text))
+            else:
+                folded.append(line)
+                print(f"{line}\n(folded here; JupyterLab shows the whole output)")
+        if isinstance(result.result, ExerciseReport):
+            exercises.append((index, result.result))
         for number in plt.get_fignums():
             path = plots / f"cell{index:02d}_figure{number}.png"
             plt.figure(number).savefig(path, dpi=100, bbox_inches="tight")
@@ -98,10 +176,32 @@ def run_notebook(notebook: Path) -> int:
         elif not result.success:
             print(f"\nStopped: code cell {index} of {notebook.name} failed (see above).", file=sys.stderr)
             return 1
-    print(f"\nAll {len(cells)} code cells of {notebook.name} ran; plots saved:")
-    for path in [*saved, *shell.display_pub.saved]:
-        print(f"  {path}")
+    print(closing_summary(notebook, code_count, held, folded, exercises, [*saved, *shell.display_pub.saved], plots))
     return 0
+
+
+def closing_summary(notebook: Path, cells: int, held: int, folded: list[str], exercises: list, images: list[Path],
+                    plots: Path) -> str:
+    """What the lesson's run showed, for the end of the terminal's output."""
+    lines = [f"\n=== Summary of {notebook.name} ===", f"All {cells} code cells of {notebook.name} ran."]
+    if held:
+        lines.append(f"\u2713 {held} check{'s' if held != 1 else ''} held on your run.")
+    if folded:
+        lines.append(f"\u2717 {len(folded)} failure{'s' if len(folded) != 1 else ''} the lesson runs on purpose, "
+                     "folded above to one line each.")
+    for index, report in exercises:
+        if report.passed:
+            lines.append(f"The exercise (code cell {index}): all checks pass.")
+        else:
+            count = len(report.mistakes)
+            lines.append(f"The exercise (code cell {index}) as given: judged wrong, as expected ({count} mistake"
+                         f"{'s' if count != 1 else ''} to find). Now solve it in JupyterLab: "
+                         f"`.venv/bin/jupyter lab notebooks/`, then {notebook.name}.")
+    if images:
+        lines.append(f"Plots: {len(images)} PNG file{'s' if len(images) != 1 else ''} in {plots}")
+    else:
+        lines.append("Plots: none in this lesson.")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -128,7 +128,7 @@ class TorchrunMagics(Magics):
             folder = RunFolder.claim(run_dir)
         except SyntaxError as error:
             sys.stderr.write("".join(traceback.format_exception_only(type(error), error)))
-            raise UsageError(f"The cell has a syntax error (line {error.lineno}); nothing was launched."
+            raise UsageError(f"The cell has a syntax error (line {error.lineno} of the cell); nothing was launched."
                              + _ipython_syntax_hint(error)) from None
         except LaunchError as error:
             raise UsageError(str(error)) from None

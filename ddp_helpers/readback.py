@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .cells import is_cell_script
 from .hang import last_printed_error, read_hang_report
 from .result import STACK_HEADING, RankError, RankResult, RunResult, find_root_cause
 from .run_folder import RankIdentity, RunFolder
@@ -91,7 +92,8 @@ def collect_result(
         ended = {rank: folder.read_exit_code(rank) for rank in range(world_size)}
         printed = {r.rank: last_printed_error(r.stderr) for r in ranks}  # a handled error, or the one that ended it
         hang = read_hang_report(folder, world_size, config.script.name, ended,
-                                {rank: error for rank, error in printed.items() if error})
+                                {rank: error for rank, error in printed.items() if error},
+                                in_cell=is_cell_script(config.script))
     return RunResult(
         config=config,
         ranks=tuple(ranks),

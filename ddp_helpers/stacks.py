@@ -49,3 +49,20 @@ def fold_stack(dump: str) -> tuple[list[str], int]:
         folded += len(frames) - len(kept)
         shown.extend(kept)
     return shown, folded
+
+
+def is_importing(dump: str) -> bool:
+    """Whether the innermost learner frame of the thread running the learner's code is inside an import
+    (importlib's frames above it): a rank still starting, `import torch` taking long on a loaded machine."""
+    threads: list[list[str]] = []
+    for line in (dump or "").splitlines():
+        if _THREAD.match(line) or not threads:
+            threads.append([])
+        match = _FRAME.match(line)
+        if match:
+            threads[-1].append(match["path"])
+    for paths in threads:  # innermost first
+        learner = next((index for index, path in enumerate(paths) if is_learner_frame(path)), None)
+        if learner is not None:
+            return any(path.startswith("<frozen importlib") for path in paths[:learner])
+    return False

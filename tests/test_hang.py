@@ -219,3 +219,41 @@ def test_the_report_agrees_with_the_ranks_stacks(name, write_script):
                      extra_env=env)
     assert run.timed_out and run.hang is not None, failure_report(run)
     assert cause in run.hang.cause, f"{run.hang.text()}\n{failure_report(run)}"
+
+
+def test_a_cells_lines_are_named_as_the_cells():
+    """A script written from a %%torchrun cell: its lines are the cell's, and the report says so."""
+    collective = {"op": "all_reduce", "shapes": [[4]], "dtypes": ["Float"], "group": "world"}
+    answers = {0: {"collectives": [{**collective, "number": 1, "returned": False, "line": 9}], "point_to_point": None},
+               1: {"collectives": [], "point_to_point": None}}
+    report = build_report(answers, {0: "line 9 of the cell", 1: "line 12 of the cell"}, {}, {}, in_cell=True)
+    assert report.ranks[0].line == "line 9 of the cell"
+    assert report.cause.startswith("Rank 1 never called all_reduce #1, which rank 0 is waiting in (line 9 of the "
+                                   "cell): rank 1 is in your code at line 12 of the cell"), report.cause
+
+
+def test_a_cell_run_by_the_magic_names_the_line_of_the_cell(write_script):
+    from ddp_helpers.cells import write_cell_script
+
+    script = write_script("placeholder", "")
+    write_cell_script(PREAMBLE + HANGS["a collective one rank never calls"][0], script, origin="lesson.ipynb",
+                      name="hangs")
+    run = run_on_cpu(script, timeout_s=HANG_TIMEOUT_S)
+    assert run.timed_out and run.hang is not None, failure_report(run)
+    # The header line stands where the %%torchrun line does: the script's line 10 is the cell's line 10.
+    assert "which rank 0 is waiting in (line 10 of the cell): rank 1 is in your code at line 11 of the cell" \
+        in run.hang.cause, run.hang.text()
+
+
+def test_a_rank_still_importing_at_the_timeout_is_said_to_be_starting(write_script):
+    """A cold rank under load can still be in `import torch` when the timeout comes: not a loop or a sleep."""
+    script = write_script("starts", "import os, sys\n"
+                                    "sys.path.insert(0, os.path.join(os.path.dirname(__file__), 'site-packages'))\n"
+                                    "import slow_to_import  # an installed library, slow to import (torch, under load)\n")
+    (script.parent / "site-packages").mkdir()
+    (script.parent / "site-packages" / "slow_to_import.py").write_text("import time\ntime.sleep(300)\n")
+    run = run_on_cpu(script, timeout_s=HANG_TIMEOUT_S)
+    assert run.timed_out and run.hang is not None, failure_report(run)
+    assert run.hang.cause.startswith("No rank waits in a collective: ranks 0 and 1 were still starting, importing "
+                                     "(rank 0 at line 3; rank 1 at line 3)"), run.hang.text()
+    assert "raise --timeout" in run.hang.cause and "a loop that does not end" not in run.hang.cause

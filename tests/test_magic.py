@@ -86,7 +86,7 @@ def test_a_syntax_error_is_shown_with_its_line_and_nothing_is_written(ipython, t
     assert "SyntaxError" in shown and 'line 3' in shown
     assert not (tmp_path / "runs").exists()
     ipython_syntax = run_cell(ipython, "-n 2 --backend gloo --name shell", "import torch\n!pip install numpy\n")
-    assert re.search(r"syntax error \(line 3\).*shell commands \(!\.\.\.\) are IPython's syntax.*cell of their own",
+    assert re.search(r"syntax error \(line 3 of the cell\).*shell commands \(!\.\.\.\) are IPython's syntax.*cell of their own",
                      str(ipython_syntax.error_in_exec)), ipython_syntax.error_in_exec
     assert not (tmp_path / "runs").exists()
 

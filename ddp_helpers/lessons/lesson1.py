@@ -156,7 +156,7 @@ def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
         for r in run.ranks:
             lines = re.findall(r'exercise\.py", line (\d+)', r.stderr)
             calls = "recv" if "in recv" in r.stderr else "send" if "in send" in r.stderr else "?"
-            where.append(f"rank {r.rank} in {calls} (line {lines[0] if lines else '?'})")
+            where.append(f"rank {r.rank} in {calls} (line {lines[0] if lines else '?'} of the cell)")
         report.mistakes.append(
             "the run never finished: " + ", ".join(where) + ". Each rank waits for the other: look at the order "
             "in which each rank sends and receives"

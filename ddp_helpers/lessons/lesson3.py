@@ -109,7 +109,7 @@ def check_checkpoint_exercise(run: RunResult) -> ExerciseReport:
         )
         return report
     if run.timed_out:
-        stuck = [f"rank {r.rank} at line {_last_line(r.stderr)}" for r in run.ranks if _last_line(r.stderr)]
+        stuck = [f"rank {r.rank} at line {_last_line(r.stderr)} of the cell" for r in run.ranks if _last_line(r.stderr)]
         report.mistakes.append(
             "the run never finished (" + (", ".join(stuck) or "see the stacks above") + "): a rank waited in a "
             "collective that another rank never called"

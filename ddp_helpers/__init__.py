@@ -54,6 +54,16 @@ def load_ipython_extension(ipython) -> None:
 
     register(ipython)
     prepare_warm_launches(timeout_s=None)
+    # Run All again in the same kernel runs `%load_ext ddp_helpers` again: quietly, not with IPython's
+    # "already loaded" note (loading again is harmless: the magic and the warm process are reused). IPython
+    # marks the extension loaded once this returns, so the mark is taken off after the cell.
+    events, manager = getattr(ipython, "events", None), getattr(ipython, "extension_manager", None)
+    if events is not None and manager is not None:
+        def forget_loaded(*_):
+            manager.loaded.discard(__name__)
+            events.unregister("post_run_cell", forget_loaded)
+
+        events.register("post_run_cell", forget_loaded)
 
 
 __all__ = [

@@ -17,6 +17,7 @@ import base64
 import os
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from IPython.core.displaypub import DisplayPublisher
@@ -104,18 +105,26 @@ def folded_line(source: str, shell) -> str | None:
     return f"\u2717 expected: `{match.group(1)}` {'timed out' if run.timed_out else 'failed'}, as the lesson means it to: {reason}"
 
 
+@dataclass
+class LessonTally:
+    """What the cells run so far showed, for the closing summary."""
+
+    held: int = 0  # ✓ lines printed
+    folded: list = field(default_factory=list)  # one line per failure the lesson runs on purpose
+    exercises: list = field(default_factory=list)  # (code cell number, ExerciseReport)
+    images: list = field(default_factory=list)  # PNG files saved
+
+
 def run_notebook(notebook: Path) -> int:
     """Run every code cell of `notebook`; return 0 if all behaved, 1 otherwise."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import nbformat
     from IPython.core.interactiveshell import InteractiveShell
 
     from .cells import notebook_key
     from .config import runs_root
-    from .exercises import ExerciseReport
     from .private_folders import private_folder
 
     plots = private_folder(runs_root() / notebook_key(notebook.resolve()) / "plots")
@@ -127,8 +136,7 @@ def run_notebook(notebook: Path) -> int:
     os.chdir(notebook.parent)
     all_cells = nbformat.read(notebook, as_version=4).cells
     code_count = sum(c.cell_type == "code" for c in all_cells)
-    saved, held, folded, exercises, pending = [], 0, [], [], []
-    index = 0
+    tally, pending, index = LessonTally(), [], 0
     for cell in all_cells:
         if cell.cell_type == "markdown":
             pending += headings(cell.source)
@@ -136,53 +144,64 @@ def run_notebook(notebook: Path) -> int:
         if cell.cell_type != "code":
             continue
         index += 1
-        tags = set(cell.metadata.get("tags", []))
-        if "skip-execution" in tags:
+        if "skip-execution" in cell.metadata.get("tags", []):
             continue
         for heading in pending:
             print(f"\n{heading}", flush=True)
         pending = []
         print(f"\n=== {notebook.name}, code cell {index} of {code_count} ===", flush=True)
-        expected = expected_failure(cell.source, tags)
-        output = CellOutput(sys.stdout, folded=expected)
-        errors = CellOutput(sys.stderr, folded=expected)
-        sys.stdout, sys.stderr = output, errors
-        try:
-            result = shell.run_cell(cell.source, store_history=True)
-        finally:
-            sys.stdout, sys.stderr = output.shown, errors.shown
-        held += sum(line.startswith("\u2713 ") for line in "".join(output.text).splitlines())
-        if expected:
-            line = folded_line(cell.source, shell)
-            if line is None and "raises-exception" in tags and not result.success:
-                line = f"\u2717 expected: the cell raised, as the lesson means it to: {result.error_in_exec!r}"[:200]
-            if line is None:  # it did not fail after all: what it printed is shown
-                sys.stdout.write("".join(output.text))
-                sys.stderr.write("".join(errors.text))
-            else:
-                folded.append(line)
-                print(f"{line}\n(folded here; JupyterLab shows the whole output)")
-        if isinstance(result.result, ExerciseReport):
-            exercises.append((index, result.result))
-        for number in plt.get_fignums():
-            path = plots / f"cell{index:02d}_figure{number}.png"
-            plt.figure(number).savefig(path, dpi=100, bbox_inches="tight")
-            saved.append(path)
-        plt.close("all")
-        if "raises-exception" in tags:
-            if result.success:
-                print(f"Cell {index} should have failed (tagged raises-exception) but did not.", file=sys.stderr)
-                return 1
-        elif not result.success:
-            print(f"\nStopped: code cell {index} of {notebook.name} failed (see above).", file=sys.stderr)
+        if not run_code_cell(shell, cell, index, notebook.name, plots, tally):
             return 1
-    print(closing_summary(notebook, code_count, held, folded, exercises, [*saved, *shell.display_pub.saved], plots))
+    tally.images += shell.display_pub.saved
+    print(closing_summary(notebook, code_count, tally, plots))
     return 0
 
 
-def closing_summary(notebook: Path, cells: int, held: int, folded: list[str], exercises: list, images: list[Path],
-                    plots: Path) -> str:
+def run_code_cell(shell, cell, index: int, notebook_name: str, plots: Path, tally: LessonTally) -> bool:
+    """Run one code cell, folding a failure the lesson means (one line), saving its figures; False when the
+    lesson must stop (a cell failed that should not have, or one tagged raises-exception did not)."""
+    import matplotlib.pyplot as plt
+
+    from .exercises import ExerciseReport
+
+    tags = set(cell.metadata.get("tags", []))
+    expected = expected_failure(cell.source, tags)
+    output, errors = CellOutput(sys.stdout, folded=expected), CellOutput(sys.stderr, folded=expected)
+    sys.stdout, sys.stderr = output, errors
+    try:
+        result = shell.run_cell(cell.source, store_history=True)
+    finally:
+        sys.stdout, sys.stderr = output.shown, errors.shown
+    tally.held += sum(line.startswith("\u2713 ") for line in "".join(output.text).splitlines())
+    if expected:
+        line = folded_line(cell.source, shell)
+        if line is None and "raises-exception" in tags and not result.success:
+            line = f"\u2717 expected: the cell raised, as the lesson means it to: {result.error_in_exec!r}"[:200]
+        if line is None:  # it did not fail after all: what it printed is shown
+            sys.stdout.write("".join(output.text))
+            sys.stderr.write("".join(errors.text))
+        else:
+            tally.folded.append(line)
+            print(f"{line}\n(folded here; JupyterLab shows the whole output)")
+    if isinstance(result.result, ExerciseReport):
+        tally.exercises.append((index, result.result))
+    for number in plt.get_fignums():
+        path = plots / f"cell{index:02d}_figure{number}.png"
+        plt.figure(number).savefig(path, dpi=100, bbox_inches="tight")
+        tally.images.append(path)
+    plt.close("all")
+    if "raises-exception" in tags and result.success:
+        print(f"Cell {index} should have failed (tagged raises-exception) but did not.", file=sys.stderr)
+        return False
+    if "raises-exception" not in tags and not result.success:
+        print(f"\nStopped: code cell {index} of {notebook_name} failed (see above).", file=sys.stderr)
+        return False
+    return True
+
+
+def closing_summary(notebook: Path, cells: int, tally: LessonTally, plots: Path) -> str:
     """What the lesson's run showed, for the end of the terminal's output."""
+    held, folded, exercises, images = tally.held, tally.folded, tally.exercises, tally.images
     lines = [f"\n=== Summary of {notebook.name} ===", f"All {cells} code cells of {notebook.name} ran."]
     if held:
         lines.append(f"\u2713 {held} check{'s' if held != 1 else ''} held on your run.")

@@ -8,8 +8,22 @@ idea without naming the answer; the explanation shows only once the answer is ri
 
 from __future__ import annotations
 
+import html
 import random
+import re
 from dataclasses import dataclass
+
+_CODE = re.compile(r"`([^`]+)`")
+
+
+def as_html(text: str) -> str:
+    """Text with markdown's `code` spans, for an HTML widget: escaped, each span in <code>."""
+    return _CODE.sub(lambda m: f"<code>{m.group(1)}</code>", html.escape(text, quote=False))
+
+
+def as_option(text: str) -> str:
+    """Text with `code` spans, for a radio button (plain text only): each span in quotes, no backticks."""
+    return _CODE.sub(lambda m: f"'{m.group(1)}'", text)
 
 
 @dataclass(frozen=True)
@@ -54,15 +68,18 @@ def quiz_widget(questions: list[Question]):
 
     rows = []
     for number, question in enumerate(questions, start=1):
-        options = widgets.RadioButtons(options=question.shown_options(), value=None, layout={"width": "max-content"})
+        shown_options = question.shown_options()
+        # The radio buttons show plain text; each maps back to the option it stands for.
+        labels = [(as_option(option), option) for option in shown_options]
+        options = widgets.RadioButtons(options=labels, value=None, layout={"width": "max-content"})
         shown = widgets.HTML()
         button = widgets.Button(description="Check", button_style="info")
 
         def on_click(_, q=question, o=options, f=shown):
-            f.value = f"<b>{feedback(q, o.value)}</b>"
+            f.value = f"<b>{as_html(feedback(q, o.value))}</b>"
 
         button.on_click(on_click)
-        rows.append(widgets.VBox([widgets.HTML(f"<b>{number}. {question.prompt}</b>"), options, button, shown]))
+        rows.append(widgets.VBox([widgets.HTML(f"<b>{number}. {as_html(question.prompt)}</b>"), options, button, shown]))
     return widgets.VBox(rows)
 
 

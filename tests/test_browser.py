@@ -37,6 +37,10 @@ PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 NOTEBOOKS = course_notebooks()
 SCREENSHOTS = ROOT / "test-artifacts" / "screenshots"
 EXECUTED = ROOT / "test-artifacts" / "executed"
+# The README's picture: lesson 5's first hang as JupyterLab shows it, taken afresh by every run of the test.
+README_PICTURE = ROOT / "docs" / "hang_report.png"
+FRESH_PICTURE = ROOT / "test-artifacts" / "readme" / "hang_report.png"
+PICTURE_HEIGHT = 1100  # pixels of the cell kept from its top: the code, the ranks' lines and the report
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--disable-quic",
@@ -317,6 +321,8 @@ def test_notebook_runs_in_jupyterlab(browser, lab, notebook):
         if notebook.name.startswith("02_"):
             check_widgets(page)
         check_line_numbers(page)
+        if notebook.name.startswith("05_"):
+            check_readme_picture(page)
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SCREENSHOTS / f"{notebook.stem}.png"))
     except Exception:
@@ -343,6 +349,29 @@ def check_line_numbers(page) -> None:
     )
     assert numbers, "a %%torchrun cell should show line numbers (jupyter/overrides.json's codeCellConfig)"
     assert numbers[:3] == ["1", "2", "3"], f"its lines should be numbered from the %%torchrun line: {numbers[:5]}"
+
+
+def check_readme_picture(page) -> None:
+    """Take the README's picture afresh (lesson 5's first hang: the cell, with its line numbers, and the report
+    naming the line of the cell), and hold the committed one to it: a picture whose size no longer matches
+    shows a report that changed. To refresh it, copy test-artifacts/readme/hang_report.png to docs/."""
+    from PIL import Image
+
+    cell = page.locator(f"{PANEL} .jp-CodeCell").filter(has_text="%%torchrun --name skipped").first
+    cell.scroll_into_view_if_needed()
+    FRESH_PICTURE.parent.mkdir(parents=True, exist_ok=True)
+    cell.screenshot(path=str(FRESH_PICTURE))
+    with Image.open(FRESH_PICTURE) as whole:
+        whole.crop((0, 0, whole.width, min(whole.height, PICTURE_HEIGHT))).save(FRESH_PICTURE)
+    shown = "\n".join(output_texts(page))
+    assert "What each rank was waiting in when the run timed out" in shown and "of the cell" in shown
+    assert README_PICTURE.exists(), f"the README's picture is missing: copy {FRESH_PICTURE} to {README_PICTURE}"
+    with Image.open(README_PICTURE) as committed, Image.open(FRESH_PICTURE) as fresh:
+        assert committed.format == "PNG"
+        assert abs(committed.width - fresh.width) <= 0.1 * fresh.width and \
+            abs(committed.height - fresh.height) <= 0.15 * fresh.height, (
+                f"{README_PICTURE} ({committed.size}) no longer matches the report as it shows now ({fresh.size}): "
+                f"copy {FRESH_PICTURE} over it")
 
 
 def check_widgets(page) -> None:

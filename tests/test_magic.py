@@ -246,3 +246,15 @@ def test_a_cell_that_may_fail_says_so_before_it_runs(ipython, capsys):
     assert result.success
     shown = capsys.readouterr().out
     assert shown.index("may fail on purpose (--may-fail)") < shown.index("the failure was expected here")
+
+
+def test_loading_the_extension_again_is_quiet(ipython, capsys):
+    """Run All a second time in one kernel runs %load_ext again: no "already loaded" note, the magic still works."""
+    ipython.extension_manager.loaded.discard("ddp_helpers")  # as in a kernel whose first cell has not run yet
+    capsys.readouterr()
+    for _ in range(3):  # the first cell, then Run All twice more
+        result = ipython.run_cell("%load_ext ddp_helpers")
+        assert result.success
+    assert "already loaded" not in capsys.readouterr().out
+    assert ipython.run_cell("%torchrun --help").success
+    assert "--nproc" in capsys.readouterr().out

@@ -90,7 +90,7 @@ def test_the_packages_torch_range_is_what_torch_compat_states():
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     commands = re.findall(r"```(?:bash|sh)\n(.*?)```", readme, flags=re.S)
-    assert commands[0].strip() == "scripts/launch_lesson.sh 2", "the README opens with the learner's command"
+    assert commands[0].strip() == "scripts/launch_lesson.sh 0", "the README opens with the learner's command"
     test_command = next(c.strip() for c in commands if "run_tests.sh" in c)
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_command in ci
@@ -157,3 +157,46 @@ def test_another_torch_for_the_scripts_is_a_version_number(asked):
     assert done.returncode == 2, done.stderr
     assert f"DDP_LESSONS_TORCH is a torch version such as 2.10.0 (got '{asked}')." in done.stderr
     assert not list(ROOT.glob(".venv-torch-[!0-9]*")), "no venv may be made for a name that is no version"
+
+
+@pytest.mark.parametrize("asked", ["cpu", "download.pytorch.org/whl/cpu", "https://x/cpu; rm -rf ~"])
+def test_a_torch_index_for_the_scripts_is_an_address(asked):
+    import subprocess
+
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "launch_lesson.sh"), "0"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "DDP_LESSONS_TORCH_INDEX": asked})
+    assert done.returncode == 2, done.stderr
+    assert f"DDP_LESSONS_TORCH_INDEX is the address of a package index, such as https://download.pytorch.org/whl/cpu " \
+           f"(got '{asked}')." in done.stderr
+
+
+def test_a_torch_index_installs_torch_alone_from_it_then_the_course_from_pypi(tmp_path):
+    """DDP_LESSONS_TORCH_INDEX (PyTorch's CPU-only builds on a laptop without a GPU): torch comes from that
+    index, on its own, and the course's other packages from PyPI; the pip calls are read off a stand-in
+    for the environment's python (PyTorch's index cannot be reached from here)."""
+    import shutil
+    import subprocess
+
+    project = tmp_path / "project"
+    (project / "scripts").mkdir(parents=True)
+    for name in ("pyproject.toml", "scripts/ensure_env.sh", "jupyter/overrides.json"):
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, project / name)
+    calls = tmp_path / "pip-calls"
+    python = project / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    python.chmod(0o700)
+    index = "https://download.pytorch.org/whl/cpu"
+    done = subprocess.run(["bash", "-c", f"source {project}/scripts/ensure_env.sh"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "DDP_LESSONS_TORCH_INDEX": index})
+    assert done.returncode == 0, done.stderr
+    torch = f"torch=={_tested_torch()}"
+    assert calls.read_text().splitlines() == [
+        f"-m pip install --quiet --index-url {index} {torch}",
+        f"-m pip install --quiet {torch} -e {project}[test]",
+    ]
+    # Asked again, nothing is installed: the stamp names the index too.
+    subprocess.run(["bash", "-c", f"source {project}/scripts/ensure_env.sh"], check=True, timeout=60,
+                   env={**os.environ, "DDP_LESSONS_TORCH_INDEX": index}, capture_output=True)
+    assert len(calls.read_text().splitlines()) == 2

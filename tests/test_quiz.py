@@ -45,3 +45,19 @@ def test_a_wrong_pick_gets_a_hint_not_the_answer(question):
             assert shown.startswith("\u2717 Not quite") and question.hint in shown
             assert question.right_option not in shown and question.why not in shown
     assert feedback(question, None) == "Pick an answer first."
+
+
+def test_code_in_a_question_shows_as_code_not_backticks():
+    """A prompt's `code` renders as <code> in the widget, an option's (plain text) in quotes; the buttons still
+    answer with the option itself."""
+    from ddp_helpers.quiz import quiz_widget
+
+    with_code = [q for q in EVERY_QUESTION if "`" in q.prompt or any("`" in o for o in q.options)]
+    assert with_code, "the quizzes name code in some questions"
+    box = quiz_widget(with_code)
+    for row, question in zip(box.children, with_code):
+        prompt, options, _, _ = row.children
+        assert "`" not in prompt.value and ("<code>" in prompt.value) == ("`" in question.prompt)
+        assert all("`" not in label for label, _ in options.options)
+        options.value = question.right_option
+        assert feedback(question, options.value).startswith("\u2713 Right.")

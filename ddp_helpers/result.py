@@ -267,7 +267,9 @@ class RunResult:
                          "Raise --timeout if the work is just slow.")
         root = self.first_failure
         if root is not None:
-            lines.append(f"Rank {root.rank} failed first, the root cause: {_failure_reason(root)}")
+            # Streamed, its whole message is in the traceback just above: a shorter line here.
+            limit = 160 if root.error and self.config.stream else 300
+            lines.append(f"Rank {root.rank} failed first, the root cause: {_failure_reason(root, limit)}")
             left = [r.rank for r in self.ranks if r.exit_code == 0]
             if left and root.error and _PEER_CLOSED.search(root.error.message):
                 lines.append(f"Its peer went away: rank(s) {left} had finished their script normally (exit code 0) "
@@ -280,7 +282,9 @@ class RunResult:
         for r in self.ranks:
             consequence = ""
             if root is not None and r is not root and r.error is not None:
-                consequence = f": {error_line(r)}, {relation_to_root_cause(r, root)}"
+                # Streamed, the rank's error was shown as a line of its own above: only how it relates here.
+                said = "" if self.config.stream else f": {error_line(r)}"
+                consequence = f"{said}, {relation_to_root_cause(r, root)}"
             lines.append(f"  rank {r.rank}: {'never started' if queued else r.status}{consequence}")
             for name, why in r.unreadable_facts.items():
                 lines.append(f"    recorded {name!r} could not be read back: {why}")
@@ -321,9 +325,9 @@ def _raised_at(rank: RankResult) -> str | None:
     return frames[-1].strip() if frames else None
 
 
-def _failure_reason(rank: RankResult) -> str:
+def _failure_reason(rank: RankResult, limit: int = 300) -> str:
     """The root cause in one line (its whole message is in its traceback, shown with the summary)."""
-    return error_line(rank, limit=300) if rank.error is not None else rank.status
+    return error_line(rank, limit=limit) if rank.error is not None else rank.status
 
 
 class RunFailed(RuntimeError):

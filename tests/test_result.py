@@ -5,8 +5,8 @@ from pathlib import Path
 from ddp_helpers.config import LaunchConfig
 from ddp_helpers.result import RankError, RankResult, RunFailed, RunResult
 
-def make_run(ranks, timed_out=False, returncode=1):
-    config = LaunchConfig(Path("/tmp/x.py"), len(ranks), "gloo", 60.0, Path("/tmp/x"))
+def make_run(ranks, timed_out=False, returncode=1, stream=False):
+    config = LaunchConfig(Path("/tmp/x.py"), len(ranks), "gloo", 60.0, Path("/tmp/x"), stream=stream)
     return RunResult(config, tuple(ranks), 1.0, "gloo", ("cpu",) * len(ranks), returncode, timed_out)
 
 
@@ -97,6 +97,10 @@ def test_a_rank_that_raised_the_same_error_itself_is_not_called_a_consequence():
     assert "rank 1: failed (exit code 1): KeyError: 'id', the same error as rank 0's, raised on this rank too" in summary
     assert "rank 2: failed (exit code 1): KeyError: 'id', a consequence of rank 0's failure" in summary  # another line
     assert "rank 3: failed (exit code 1): RuntimeError: Connection closed by peer, a consequence of rank 0's failure" in summary
+    # Streamed, each of those errors was shown above as a line of its own: the summary says only how it relates.
+    streamed = make_run(run.ranks[:4], stream=True).summary()
+    assert "  rank 3: failed (exit code 1), a consequence of rank 0's failure" in streamed.splitlines()
+    assert streamed.count("Connection closed by peer") == 0
 
 
 def test_the_root_cause_is_one_line_in_the_summary_its_whole_message_in_the_traceback():

@@ -110,6 +110,7 @@ class LessonTally:
     """What the cells run so far showed, for the closing summary."""
 
     held: int = 0  # ✓ lines printed
+    seen: int = 0  # • lines printed: what torch itself did
     folded: list = field(default_factory=list)  # one line per failure the lesson runs on purpose
     exercises: list = field(default_factory=list)  # (code cell number, ExerciseReport)
     images: list = field(default_factory=list)  # PNG files saved
@@ -172,7 +173,9 @@ def run_code_cell(shell, cell, index: int, notebook_name: str, plots: Path, tall
         result = shell.run_cell(cell.source, store_history=True)
     finally:
         sys.stdout, sys.stderr = output.shown, errors.shown
-    tally.held += sum(line.startswith("\u2713 ") for line in "".join(output.text).splitlines())
+    printed = "".join(output.text).splitlines()
+    tally.held += sum(line.startswith("\u2713 ") for line in printed)
+    tally.seen += sum(line.startswith("\u2022 ") for line in printed)
     if expected:
         line = folded_line(cell.source, shell)
         if line is None and "raises-exception" in tags and not result.success:
@@ -205,6 +208,8 @@ def closing_summary(notebook: Path, cells: int, tally: LessonTally, plots: Path)
     lines = [f"\n=== Summary of {notebook.name} ===", f"All {cells} code cells of {notebook.name} ran."]
     if held:
         lines.append(f"\u2713 {held} check{'s' if held != 1 else ''} held on your run.")
+    if tally.seen:
+        lines.append(f"\u2022 {tally.seen} thing{'s' if tally.seen != 1 else ''} torch itself did, shown by your run.")
     if folded:
         lines.append(f"\u2717 {len(folded)} failure{'s' if len(folded) != 1 else ''} the lesson runs on purpose, "
                      "folded above to one line each.")

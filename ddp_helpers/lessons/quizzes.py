@@ -82,6 +82,13 @@ LESSON_2 = [
              1,
              "Inside no_sync, backward() only accumulates locally; the all-reduce runs once, on the last micro-batch.",
              "Step 5 used no_sync to see one rank's own gradient: what did it skip?"),
+    Question("Under DDP with a GradScaler, one step's gradients overflow on rank 1 only. What do the ranks do?",
+             ("Rank 1 skips the step, the others take it", "Every rank skips the step and halves its scale",
+              "The run stops with an error"),
+             1,
+             "The scaler's inf check is local, but it checks the gradients DDP averaged in backward(): rank 1's inf "
+             "is in the sum on every rank, so every rank skips, and the weights stay equal.",
+             "When the scaler looks for an inf, which gradients does each rank hold?"),
 ]
 
 

@@ -172,7 +172,10 @@ def test_an_agent_joining_a_running_job_grows_the_world_and_training_goes_on(wri
     worlds = [world for _, world in log]
     assert worlds[0] == 2 and worlds[-1] == 4 and worlds == sorted(worlds), worlds
     assert [r.agent for r in run.ranks].count(1) == 2
-    assert len(run.ranks[0].attempts) == 2 and len(run.ranks[3].attempts) == 1, "rank 0 restarted in the new world"
+    # Rank 0 restarted into the grown world; the joining agent's ranks never ran in its first attempt. (Under
+    # load the joining agent can miss the round its arrival started, and join at the next: one more restart.)
+    attempts = [len(r.attempts) for r in run.ranks]
+    assert attempts[0] >= 2 and attempts[3] < attempts[0], f"attempts per rank: {attempts}"
 
 
 def test_without_restarts_a_killed_rank_is_named_as_killed(write_script):

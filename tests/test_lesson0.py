@@ -3,6 +3,8 @@ from its secret, which only that rank's process is handed, so no rank can write 
 exercise as given and the wrong fixes are judged wrong, each with its mistake named (never the fix); every
 collective route to the mean passes, at the cell's world size and at the one the checker runs it at too."""
 
+import re
+
 import pytest
 
 from ddp_helpers.lessons.lesson0 import check_mean_exercise, number_of
@@ -27,7 +29,9 @@ def judged(write_script, source: str, nproc: int = 2):
 def test_the_exercise_as_given_is_judged_wrong(write_script, sources):
     run, report = judged(write_script, sources[0])
     assert run.ok and not report.passed, failure_report(run)
-    assert "ranks 0, 1 still hold only their own number" in str(report), str(report)
+    # At 2 ranks, or at 3 in the checker's second run where the 2 ranks' numbers happened to be equal (1 in 99):
+    # then the given cell's "mean" is right at 2, and the second world size shows the mistake.
+    assert re.search(r"ranks 0, 1(, 2)? still hold only their own number", str(report)), str(report)
     assert "how can every rank learn the others'?" in str(report)
     assert "all_reduce" not in str(report) and "divide" not in str(report), "the hints name the mistake, not the fix"
 

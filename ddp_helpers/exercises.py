@@ -73,6 +73,17 @@ def side_channels(run, *, files: bool = True) -> str | None:
             "collectives moved, which the checker can see")
 
 
+def all_reduced_values(collectives, ops: tuple[str, ...] | None = None) -> int:
+    """How many values a rank all-reduced (the elements of every all_reduce's tensors), from what the
+    flight recorder saw, DDP's bucket all-reduces included: a count the script cannot fake by what it records."""
+    from math import prod
+
+    from .hang import ALL_REDUCE_OPS
+
+    return sum(prod(shape) for call in collectives if call["op"] in (ops or ALL_REDUCE_OPS)
+               for shape in call["shapes"])
+
+
 def _sentence(finding: str) -> str:
     """A finding ends as a sentence does, whether its checker wrote the final full stop or not."""
     finding = finding.rstrip()

@@ -27,8 +27,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from ..exercises import ExerciseReport, rank_secrets, side_channels
-from ..hang import ALL_REDUCE_OPS
+from ..exercises import ExerciseReport, all_reduced_values, rank_secrets, side_channels
 from ..recording import rank_secret
 from ..result import RunResult
 
@@ -136,8 +135,7 @@ def _check_gradients_averaged(run: RunResult, orders: dict[int, list[list[int]]]
     steps = sum(math.ceil(max(len(share) for share in orders[epoch]) / BATCH_SIZE) for epoch in orders)
     parameters = sum(p.numel() for p in _exercise_model().parameters())
     # Values, not calls: an all-reduce of one number per step for show is not a gradient's worth.
-    values = {r.rank: sum(math.prod(shape) for c in r.collectives if c["op"] in ALL_REDUCE_OPS for shape in c["shapes"])
-              for r in run.ranks}
+    values = {r.rank: all_reduced_values(r.collectives) for r in run.ranks}
     short = {rank: count for rank, count in values.items() if count < steps * parameters}
     if short:
         report.mistakes.append(

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..exercises import ExerciseReport, rank_secrets, side_channels
+from ..exercises import ExerciseReport, all_reduced_values, rank_secrets, side_channels
 from ..recording import rank_secret
 from ..result import RunResult
 
@@ -209,7 +209,7 @@ def _judge_the_training(run: RunResult, report: ExerciseReport, steps: list, wei
               "stay in step; skipping the step on every rank changes the training")
         return
     report.confirmed.append(f"every rank took part in all {STEPS} steps")
-    gradient_values = {rank.rank: _all_reduced_values(rank.collectives) for rank in run.ranks}
+    gradient_values = {rank.rank: all_reduced_values(rank.collectives, ("all_reduce", "allreduce")) for rank in run.ranks}
     expected = STEPS * PARAMETERS
     short = {rank: values for rank, values in gradient_values.items() if values < expected}
     if short:
@@ -238,12 +238,3 @@ def _judge_the_training(run: RunResult, report: ExerciseReport, steps: list, wei
             "the weights are not those of the intended training: each rank's gradient of its kept samples (zero "
             "when it kept none), summed over the ranks and divided by the world size; samples with an outlier "
             "stay dropped")
-
-
-def _all_reduced_values(collectives) -> int:
-    """How many values a rank all-reduced (the elements of every all_reduce's tensors), from what the
-    flight recorder saw, DDP's bucket all-reduces included: a count the script cannot fake by what it records."""
-    from math import prod
-
-    return sum(prod(shape) for call in collectives if call["op"] in ("all_reduce", "allreduce")
-               for shape in call["shapes"])

@@ -41,16 +41,17 @@ WRONG_FIXES = {
                                             "every rank drew the same dropout masks"),
     "no resume at all": (GIVEN.replace('if os.path.exists("snapshot.pt"):', "if False:"),
                          "step(s) [0, 1, 2, 3, 4, 5] ran twice"),
-    # No resume at all, and rank 0 hides the lines it printed before the kill: every step printed once, and
-    # the weights are those of a run without a kill (the second attempt is one), but steps 0-5 ran twice.
+    # No resume at all, and every rank hides the lines it printed before the kill (each notes a step before
+    # printing it): every step printed once, and the weights are those of a run without a kill (the second
+    # attempt is one), but steps 0-5 ran twice.
     "no resume, the repeated lines hidden": (GIVEN.replace('if os.path.exists("snapshot.pt"):', "if False:").replace(
-        "\nstep = 0\nfor epoch", '\nprinted = int(open("printed.txt").read()) if os.path.exists("printed.txt") else -1\n'
+        "\nstep = 0\nfor epoch", '\nnoted = f"printed{rank}.txt"\n'
+        'printed = int(open(noted).read()) if os.path.exists(noted) else -1\n'
         'step = 0\nfor epoch').replace(
         '        print(f"step {step} done")',
-        '        if rank != 0 or step > printed:\n'
+        '        if step > printed:\n'
+        '            open(noted, "w").write(str(step))\n'
         '            print(f"step {step} done")\n'
-        '            if rank == 0:\n'
-        '                open("printed.txt", "w").write(str(step))\n'
         '        pass'), "the ranks printed 18 steps but trained 24"),
     "the progress line removed": (SOLUTION.replace('print(f"step {step} done")', "pass"), "no rank was killed"),
     # Shortcuts that make the learner's own kill and no-kill runs agree by changing the training itself.
@@ -82,6 +83,21 @@ def test_the_given_script_has_both_mistakes_named_without_the_fix(write_script):
     assert "step(s) [5] ran twice" in text and "ended with other weights than the exercise's training without a kill" in text, text
     assert "2 mistakes to fix" in text
     assert "rng" not in text.lower() and "+ 1" not in text, "hints must not give the fix"
+
+
+def test_a_step_the_killed_rank_printed_counts_when_the_others_were_stopped_before_printing_it(write_script):
+    # The race seen once in a clean-clone run: rank 1 prints 'step 5 done' and is killed, and torchrun stops
+    # rank 0 between its barrier and its own print. Step 5 still ran before the kill, and again after.
+    late = GIVEN.replace('        print(f"step {step} done")',
+                         '        if rank == 0 and step == 5 and not os.path.exists("snapshot.pt.restarted"):\n'
+                         '            time.sleep(30)  # stopped here by the restart\n'
+                         '        print(f"step {step} done")')
+    late = late.replace('first_step = snapshot["step"]\n', 'first_step = snapshot["step"]\n    open("snapshot.pt.restarted", "w").close()\n')
+    assert late.count("time.sleep(30)") == 1 and late.count("snapshot.pt.restarted") == 2
+    run = run_as_the_notebook_does(write_script, late)
+    assert run.ok and run.restarts == 1, failure_report(run)
+    assert "step 5 done" not in run.ranks[0].attempts[0], "rank 0 was to be stopped before printing step 5"
+    assert "step(s) [5] ran twice" in str(check_resume_exercise(run))
 
 
 def test_the_solution_passes(write_script, monkeypatch):

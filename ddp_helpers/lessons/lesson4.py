@@ -99,7 +99,7 @@ def _judge_steps(run: RunResult, expected: list[int], report: ExerciseReport, sh
                  all_reduces_per_step: float) -> None:
     """Each step printed once, and the last attempt (the one whose collectives the flight recorder kept)
     made one step's gradient all-reduces per step it printed."""
-    attempts = [steps_done(text) for text in run.ranks[0].attempts]
+    attempts = _steps_per_attempt(run)
     done = [step for steps in attempts for step in steps]
     repeated = sorted({step for step in done if done.count(step) > 1})
     lost = sorted(set(expected) - set(done))
@@ -116,6 +116,15 @@ def _judge_steps(run: RunResult, expected: list[int], report: ExerciseReport, sh
         before, after = attempts[0], attempts[-1]  # either may be empty: on many ranks a run has few steps
         report.confirmed.append(f"every one of the {len(expected)} steps ran exactly once: "
                                 f"{_span(before)} before the kill, {_span(after)} after the restart")
+
+
+def _steps_per_attempt(run: RunResult) -> list[list[int]]:
+    """The steps each attempt printed, read from the rank that printed most in it: the killed rank's last
+    line counts even when the others were stopped before printing the same step, and a rank that hides
+    lines hides them from itself only."""
+    per_rank = [[steps_done(text) for text in rank.attempts] for rank in run.ranks]
+    return [max((steps[i] for steps in per_rank if i < len(steps)), key=len)
+            for i in range(max(map(len, per_rank)))]
 
 
 def _span(steps: list[int]) -> str:

@@ -2,7 +2,8 @@
 
 Public API (see README.md):
     make_launch_config, launch, run_script   launch a script; get a RunResult
-    SlurmJob                                 make_launch_config(script, cluster=SlurmJob(nodes=2))
+    SlurmJob                                 make_launch_config(script, job=SlurmJob(nodes=2)); any registered
+                                             job by its class name (`engines.register_job`)
     RunResult, RankResult, RunFailed, LaunchError
     record, RecordError                      script side: save a value for the notebook
     rank_secret                              script side: a number only this rank is handed (exercises' data)
@@ -21,7 +22,7 @@ from .recording import RecordError, rank_secret, record
 # Name -> module, loaded when first asked for (PEP 562): a rank never loads the launcher.
 _LAUNCHER_SIDE = {
     "LaunchConfig": "config", "make_launch_config": "config", "LaunchError": "errors", "launch": "launcher",
-    "RunResult": "result", "RankResult": "result", "RunFailed": "result", "SlurmJob": "slurm",
+    "RunResult": "result", "RankResult": "result", "RunFailed": "result",
 }
 
 
@@ -30,6 +31,11 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f".{_LAUNCHER_SIDE[name]}", __name__), name)
         globals()[name] = value
         return value
+    if name.endswith("Job"):  # a registered job class, by its name
+        job = importlib.import_module(".engines", __name__).job_named(name)
+        if job is not None:
+            globals()[name] = job
+            return job
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -49,7 +55,7 @@ def run_script(script, **options) -> "RunResult":
 def load_ipython_extension(ipython) -> None:
     """`%load_ext ddp_helpers` registers the %%torchrun cell magic, and starts the warm process the
     launches fork their ranks from (in the background: it is ready a few seconds later)."""
-    from .launcher import prepare_warm_launches
+    from .engines.local.engine import prepare_warm_launches
     from .magic import register
 
     register(ipython)
@@ -67,6 +73,6 @@ def load_ipython_extension(ipython) -> None:
 
 
 __all__ = [
-    "LaunchConfig", "LaunchError", "make_launch_config", "launch", "run_script", "SlurmJob",
+    "LaunchConfig", "LaunchError", "make_launch_config", "launch", "run_script",
     "RunResult", "RankResult", "RunFailed", "record", "RecordError", "rank_secret", "load_ipython_extension",
 ]

@@ -4,8 +4,8 @@ Every rank runs the user's script through this tiny wrapper, which
 - exits at once if the torchrun agent is already gone, and otherwise dies with it (parent-death signal),
   so a killed kernel leaves no rank, even one that was just starting;
 - sends the rank's stdout/stderr into the run folder (through the supervisor's capped pipes);
-- dumps every thread's stack on SIGUSR1 into `rankN.stack`, and what it waits in into `rankN.hang.json`
-  when asked through `rankN.hang.request` (the launcher asks both on timeout; `_hang_probe`);
+- dumps every thread's stack on SIGUSR1 into its stack file, and what it waits in into its hang answer
+  when asked through its hang request (the launcher asks both on timeout; `_hang_probe`);
 - records the exception that ended the rank, with its time, so the launcher can name the first failure;
 - notes every file the script opens for writing or renames into place (a Python audit hook), so a
   checker can see who wrote a file instead of trusting what the script says about itself;
@@ -37,8 +37,8 @@ import types
 
 from . import _all_reduce_log, _channel_bytes, _hang_probe, _point_to_point
 from .processes import die_with_parent, start_time
-from .run_folder import (AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, IMPORT_DIR_ENV, SECRET_ENV, RankErrorRecord, RankIdentity,
-                         RunFolder)
+from .run_folder import (AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, IMPORT_DIR_ENV, LOOPBACK_ENV, NODE_ENV, SECRET_ENV,
+                         RankErrorRecord, RankIdentity, RunFolder)
 
 _BUFFERED_FILE_TYPES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 _open_stack_file = None  # kept alive: faulthandler writes into it from its signal handler
@@ -81,7 +81,7 @@ def _exit_status(exit: SystemExit) -> int:
     return 1
 
 
-ERROR_KEEP_CHARS = 32 * 1024  # of an exception's message and traceback, kept from each end in error.json
+ERROR_KEEP_CHARS = 32 * 1024  # of an exception's message and traceback, kept from each end in the rank's error record
 
 
 def _capped(text: str, keep: int = ERROR_KEEP_CHARS) -> str:
@@ -326,7 +326,7 @@ def _finish_like_the_interpreter() -> None:
 class _KilledAfterPrinting:
     """sys.stdout and sys.stderr of the rank a demo kills (`kill_rank`, `kill_after`): the rank SIGKILLs itself at the end
     of the line holding the text, as if the out-of-memory killer struck right then, so it does nothing
-    more (see `local_engine.RankKiller`)."""
+    more (see `engines.local.engine.RankKiller`)."""
 
     def __init__(self, stream, text: str):
         self._stream, self._text, self._tail = stream, text, ""
@@ -354,10 +354,10 @@ def _join_run_folder(folder: RunFolder, rank: int):
     earlier = folder.read_identity(rank)
     attempt = (earlier.attempt if earlier else 0) + 1
     folder.write_identity(RankIdentity(
-        rank=rank, pid=os.getpid(), agent=int(os.environ.get(AGENT_ENV) or os.environ.get("SLURM_NODEID") or 0),
+        rank=rank, pid=os.getpid(), agent=int(os.environ.get(AGENT_ENV) or 0),
         group_rank=int(os.environ.get("GROUP_RANK", "0")), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         restart=restart, attempt=attempt, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-        node=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        node=os.environ.get(NODE_ENV) or socket.gethostname(),
     ))
     if attempt > 1:
         print(f"{ATTEMPT_MARK} attempt {attempt} of rank {rank} begins (restart count {restart}, world "
@@ -366,12 +366,12 @@ def _join_run_folder(folder: RunFolder, rank: int):
     # Only this process is handed it: an exercise's data comes from it (ddp_helpers.rank_secret), so that no
     # rank can compute another's without asking it, through a collective.
     os.environ[SECRET_ENV] = str(folder.rank_secret(rank))
-    request = folder.read_own_json(folder.kill_request)
-    if request and request.get("rank") == rank and restart == 0:
+    request = folder.read_kill_request()
+    if request is not None and request.rank == rank and restart == 0:
         # Both text streams (logging writes to stderr); what bypasses them (sys.stdout.buffer, a subprocess) the
-        # launcher sees in the output files a moment later (local_engine.RankKiller).
-        sys.stdout = _KilledAfterPrinting(sys.stdout, request["text"])
-        sys.stderr = _KilledAfterPrinting(sys.stderr, request["text"])
+        # launcher sees in the output files a moment later (engines.local.engine.RankKiller).
+        sys.stdout = _KilledAfterPrinting(sys.stdout, request.text)
+        sys.stderr = _KilledAfterPrinting(sys.stderr, request.text)
     stack_file = open(folder.stack_file(rank), "w")
     if os.environ.get(_hang_probe.OFF_ENV) != "1":
         _hang_probe.serve(folder, rank, stack_file)
@@ -397,7 +397,7 @@ def main() -> None:
     if observer is not None:
         sys.addaudithook(observer)
         patches = {"torch.serialization": _wrap_torch_save, "torch.distributed.distributed_c10d": _observe_collectives}
-        if os.environ.get("GLOO_SOCKET_IFNAME") == "lo":  # a run on this machine (not a cluster's)
+        if os.environ.get(LOOPBACK_ENV) == "1":  # a run on this machine (not a cluster's)
             patches["torch.distributed.rendezvous"] = _keep_rank0_store_on_loopback
         _PatchOnImport.install(patches)
     sys.path.insert(0, os.path.dirname(script))
@@ -426,7 +426,7 @@ def main() -> None:
             folder.write_evidence(rank, files_written=observer.paths, point_to_point=_point_to_point.summary(),
                                   all_reduced=_all_reduce_log.summary(),
                                   collectives=_collectives_called(rank), channel_bytes=_channel_bytes.summary())
-            # How it ended, for launches without a supervisor to ask the agent (Slurm jobs).
+            # How it ended, for engines with no agent to ask (a cluster's job), and for a rank whose agent was stopped.
             folder.write_exit(rank, exit_code)
         if exit_code == 0:
             _warn_if_process_group_left_open(rank)

@@ -1,7 +1,7 @@
 """Rank side of the hang report: what this rank is waiting in, written when the launcher asks.
 
-When a run times out, the launcher writes into each live rank's named pipe `rankN.hang.request`; a
-daemon thread of the bootstrap, blocked reading that pipe until then, answers with `rankN.hang.json`. A thread can
+When a run times out, the launcher writes into each live rank's named pipe (`RunFolder.hang_request`); a
+daemon thread of the bootstrap, blocked reading that pipe until then, answers (`write_hang_answer`). A thread can
 answer while the main thread waits in a collective: torch releases the interpreter lock there.
 
 What it writes comes from torch's flight recorder, which torch 2.13 keeps by default for gloo and nccl
@@ -9,8 +9,8 @@ alike (2000 entries, `TORCH_FR_BUFFER_SIZE`; torch/csrc/distributed/c10d/FlightR
 `torch._C._distributed_c10d._dump_fr_trace`: each collective's sequence number per process group, name,
 input shapes and dtypes, and whether it has returned ("retired"). Gloo's send and recv are not in it,
 so the blocking send or recv the script is in comes from the bootstrap's own log (`_point_to_point`).
-The raw dump is kept too, as `flight_recorder/rankN`: the layout torch's analyser reads
-(`torchfrtrace <run folder>/flight_recorder --prefix rank`).
+The raw dump is kept too (`RunFolder.flight_recorder_dump`), in the layout torch's analyser reads
+(`torchfrtrace`, pointed at that folder with `--prefix rank`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .run_folder import RunFolder, write_atomically
 PREPARE_POLL_S = 0.25
 KEEP_COLLECTIVES = 8  # the last few per rank: enough to see where ranks part ways
 OFF_ENV = "DDP_LESSONS_HANG_PROBE_OFF"  # "1": no probe thread (benchmarks/hang_report_cost.py compares)
-# "file": the launcher asks by writing a file, not into a named pipe (a Slurm job's ranks; see `_FileRequests`).
+# "file": the launcher asks by writing a file, not into a named pipe (a cluster job's ranks, on other machines; see `_FileRequests`).
 REQUESTS_ENV = "DDP_HELPERS_HANG_REQUESTS"
 
 
@@ -60,7 +60,7 @@ class _PipeRequests:
 
 
 class _FileRequests:
-    """Requests as a file in the run folder (a Slurm job's ranks: a named pipe does not cross machines on a
+    """Requests as a file in the run folder (a cluster job's ranks: a named pipe does not cross machines on a
     shared file system), looked for every PREPARE_POLL_S."""
 
     def __init__(self, path):

@@ -8,7 +8,7 @@ reason a cell may not be named after a module its ranks can import (`logging`, `
 beside the notebook): its script would be imported in the module's place, by torch too. The notebook key is the
 notebook's file name for the course's own notebooks (`runs/02_ddp_basics/`), and the name plus a hash
 of the notebook's full path for any other, so two notebooks with one name never share a folder.
-The runs root is $DDP_HELPERS_RUNS if set, else `runs/` in the project (`config.runs_root`).
+The runs root is $DDP_HELPERS_RUNS if set, else `runs/` in the project (`run_folder.runs_root`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-from .config import runs_root
+from .run_folder import runs_root
 from .errors import LaunchError
 from .private_folders import private_folder
 from .run_folder import write_atomically

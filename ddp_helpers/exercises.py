@@ -78,7 +78,7 @@ def all_reduced_values(collectives, ops: tuple[str, ...] | None = None) -> int:
     flight recorder saw, DDP's bucket all-reduces included: a count the script cannot fake by what it records."""
     from math import prod
 
-    from .hang import ALL_REDUCE_OPS
+    from .flight_recorder import ALL_REDUCE_OPS
 
     return sum(prod(shape) for call in collectives if call["op"] in (ops or ALL_REDUCE_OPS)
                for shape in call["shapes"])

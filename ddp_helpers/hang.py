@@ -1,7 +1,7 @@
 """The hang report of a timed-out run: one table of what each rank waits in, and one sentence naming the
 cause where it can be seen ("rank 1 never called all_reduce #7, which rank 0 is waiting in").
 
-Read from the ranks themselves (`_hang_probe` writes `rankN.hang.json` from torch's flight recorder and
+Read from the ranks themselves (`_hang_probe` writes each rank's answer from torch's flight recorder and
 the bootstrap's point-to-point log), from their stack dumps (the line of the learner's code each one is
 at), and from how the ranks that already ended did end.
 """
@@ -12,6 +12,7 @@ import errno
 import os
 from dataclasses import dataclass, field
 
+from .flight_recorder import torch_dtype_name
 from .run_folder import RunFolder, write_atomically
 from .stacks import fold_stack, is_importing
 
@@ -22,7 +23,7 @@ ANSWER_WAIT_S = 5.0
 
 
 def ask_ranks_by_file(folder: RunFolder, ranks: list[int]) -> list[int]:
-    """Ask each rank by writing its request as a file (a Slurm job's ranks, `_hang_probe._FileRequests`)."""
+    """Ask each rank by writing its request as a file (a cluster job's ranks, `_hang_probe._FileRequests`)."""
     for rank in ranks:
         write_atomically(folder.hang_request(rank), b"?")
     return list(ranks)
@@ -126,20 +127,6 @@ def last_printed_error(stderr: str) -> str | None:
     return lines[0][:300] if lines else None
 
 
-# The flight recorder names dtypes as c10 does ("Float"); the report uses torch's names, as the p2p log does.
-TORCH_DTYPE_NAMES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32",
-           "short": "int16", "char": "int8", "byte": "uint8", "bool": "bool", "bfloat16": "bfloat16"}
-
-
-# How the flight recorder names an all-reduce (gloo, nccl, and a coalesced one).
-ALL_REDUCE_OPS = ("allreduce", "all_reduce", "allreduce_coalesced")
-
-
-def torch_dtype_name(flight_recorder_dtype: str) -> str:
-    """torch's name ("float32") for a dtype as the flight recorder names it ("Float", or "float")."""
-    return TORCH_DTYPE_NAMES.get(flight_recorder_dtype.lower(), flight_recorder_dtype.lower())
-
-
 def _shape(collective: dict) -> str:
     shapes = ", ".join(str(list(s)) + (" (a scalar)" if not list(s) else "") for s in collective["shapes"])
     dtypes = sorted({torch_dtype_name(d) for d in collective["dtypes"]})
@@ -160,7 +147,7 @@ RECORDER_OFF = "unknown: the flight recorder is off"
 def build_report(answers: dict[int, dict | None], lines: dict[int, str], exit_codes: dict[int, int | None],
                  errors: dict[int, str], blocked_in: dict[int, str] | None = None, in_cell: bool = False,
                  importing: set[int] = frozenset()) -> HangReport:
-    """`answers`: per rank its hang.json (None: it did not answer); `lines`: per rank where its stack says
+    """`answers`: per rank its hang answer (None: it did not answer); `lines`: per rank where its stack says
     it is; `exit_codes`: per rank its exit code if it had ended before the timeout; `errors`: per rank the
     error it raised, if any; `blocked_in`: per rank with a stack, the torch.distributed call the stack shows
     it inside ("" for none). Where the recorder and the stack disagree, the row says what each shows."""

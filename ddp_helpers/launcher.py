@@ -5,12 +5,11 @@ survives it, and nothing of the user's is touched.
     run = launch(make_launch_config("train.py", nproc=2))
     run.ranks[1].stdout, run.ranks[1].facts["loss"], run.ok
 
-`launch` is one follow loop for every engine (`engine.py`): it claims the run folder (`run_folder.RunFolder`:
+`launch` is one follow loop for every engine (`engines`): it claims the run folder (`run_folder.RunFolder`:
 created and marked by ddp_helpers, or refused; locked, so a concurrent launch cannot mix its files in),
 starts the engine, streams each rank's output here live, prefixed by rank, enforces the deadline, stops
-the engine in `finally`, and reads the run folder back into a `RunResult`. The engine is the local one
-(`local_engine.py`: torchrun agents on this machine, cold or warm) unless the config names a cluster job
-(`slurm.SlurmJob`, or any `engine.ClusterJob`).
+the engine in `finally`, and reads the run folder back into a `RunResult`. The engine is the config's
+job's (`engines`): torchrun agents on this machine, cold or warm, by default (`engines.local`).
 
 Failure handling, for every engine:
 - The run exceeds `timeout_s`: the engine gathers what it can (the local engine: what each rank waits in,
@@ -26,11 +25,11 @@ import sys
 import time
 import uuid
 
-from .config import LaunchConfig
-from .engine import Engine
-from .local_engine import (  # noqa: F401 - the stop bound and warm start, as users and tests name them
-    SHUTDOWN_GRACE_S, STOP_BOUND_S, LocalEngine, prepare_warm_launches,
+from .engines import Engine, LaunchConfig
+from .engines.local.engine import (  # noqa: F401 - the stop bound and warm start, as users and tests name them
+    SHUTDOWN_GRACE_S, STOP_BOUND_S, prepare_warm_launches,
 )
+from .errors import LaunchError
 from .output import RankOutputStreamer, show_failures_once
 from .processes import run_despite_interrupts
 from .readback import collect_result
@@ -52,17 +51,18 @@ def launch(config: LaunchConfig, folder: RunFolder | None = None) -> RunResult:
 
     Raises:
         LaunchError: the run folder exists but was not made by ddp_helpers, or another launch is using it;
-            a cluster refused the job, or it can never start as asked.
+            the job's engine refused it (a cluster's scheduler), or it can never start as asked.
 
     Warning:
         Do not initialise CUDA in the calling process before launching on GPUs (nothing here does).
     """
+    if config.job is None:
+        raise LaunchError("this LaunchConfig names no job to run it: make it with make_launch_config.")
     own_folder = folder is None
     if own_folder:
         folder = RunFolder.claim(config.run_dir)
     try:
-        engine = config.cluster.engine(config, folder) if config.cluster is not None else LocalEngine(config, folder)
-        return follow(engine, config, folder)
+        return follow(config.job.engine(config, folder), config, folder)
     finally:
         if own_folder:
             folder.release()
@@ -91,11 +91,8 @@ def follow(engine: Engine, config: LaunchConfig, folder: RunFolder) -> RunResult
             time.sleep(engine.poll_interval_s)
     finally:  # normal end, timeout, KeyboardInterrupt (stop button) or any error: nothing of the run survives
         _stop(engine, streamer)
-    ending = engine.ending()
-    result = collect_result(
-        config, folder, returncode=ending.returncode, wall_time_s=time.monotonic() - start, timed_out=timed_out,
-        launcher_log=ending.launcher_log, job_state=ending.job_state, job_id=ending.job_id,
-    )
+    result = collect_result(config, folder, engine.ending(), wall_time_s=time.monotonic() - start,
+                            timed_out=timed_out)
     show_failures_once(streamer, result)
     return result
 

@@ -125,7 +125,7 @@ def run_notebook(notebook: Path) -> int:
     from IPython.core.interactiveshell import InteractiveShell
 
     from .cells import notebook_key
-    from .config import runs_root
+    from .run_folder import runs_root
     from .private_folders import private_folder
 
     plots = private_folder(runs_root() / notebook_key(notebook.resolve()) / "plots")

@@ -15,6 +15,7 @@ a rank failed or that timed out fails the cell, naming the first failing rank an
 
 from __future__ import annotations
 
+import argparse
 import keyword
 import re
 import shlex
@@ -29,6 +30,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from .cells import cell_paths, notebook_key, notebook_path, write_cell_script
 from .config import DEFAULT_TIMEOUT_S, make_launch_config
+from .engines import Job, option_text, registered_jobs
 from .errors import LaunchError
 from .launcher import launch
 from .result import RunFailed
@@ -69,34 +71,10 @@ class TorchrunMagics(Magics):
     @argument("--cwd", default=None,
               help="the ranks' working directory, e.g. '.' for the notebook's folder (default: the cell's run "
                    "folder, emptied at each launch); modules beside the notebook import either way")
-    @argument("--cold", action="store_true",
-              help="start every process as a fresh interpreter (by default the ranks are forked from a "
-                   "process that has torch imported, when that gives the same result)")
     @argument("--max-restarts", default=0, type=int,
               help="restart every rank up to this many times after one fails (torchrun's --max-restarts; default 0)")
-    @argument("--nnodes", default=1,
-              help="torchrun agents, each standing for a machine with --nproc ranks, on this machine's loopback "
-                   "(one c10d rendezvous; default 1)")
-    @argument("--kill-rank", default=None,
-              help="SIGKILL this (global) rank once, as the out-of-memory killer would, when its output first "
-                   "contains --kill-after: to see a restart (--max-restarts) for real")
-    @argument("--kill-after", default=None,
-              help="the text (quoted) after which --kill-rank is killed, e.g. --kill-after 'step 5 done'")
-    @argument("--join-after", default=None,
-              help="elastic membership: agents 1 .. nnodes-1 start only once rank 0's output contains this text "
-                   "(quoted), and join the running job (torchrun --nnodes 1:N)")
     @argument("--env", action="append", default=[], metavar="NAME=VALUE",
               help="an environment variable for the run (repeat for several), e.g. --env TORCH_DISTRIBUTED_DEBUG=DETAIL")
-    @argument("--slurm", action="store_true",
-              help="submit the cell as a job to the Slurm cluster this machine is a login node of (sbatch), on "
-                   "--nodes machines; the run folder must be on a file system the nodes share")
-    @argument("--nodes", default=1, type=int, help="with --slurm: machines, one torchrun agent each (default 1)")
-    @argument("--partition", default=None, help="with --slurm: the partition (default: the cluster's)")
-    @argument("--time", default=None, help="with --slurm: the job's time limit, e.g. 00:10:00")
-    @argument("--gpus-per-node", default=None, type=int,
-              help="with --slurm: GPUs per machine; the ranks then use nccl, one GPU each")
-    @argument("--sbatch-args", default=None,
-              help="with --slurm: more sbatch options, quoted, e.g. --sbatch-args '--account=ml --mem=8G'")
     @argument("--may-fail", action="store_true",
               help="a failed run is shown (its summary and traceback) but does not stop the notebook: for "
                    "cells that demonstrate a failure; the result is in --out")
@@ -104,15 +82,16 @@ class TorchrunMagics(Magics):
     @cell_magic
     def torchrun(self, line: str, cell: str):
         """Run this cell as a script on every rank under torchrun; see `%%torchrun?`."""
+        parser = _with_job_options(self.torchrun.parser)
         try:
             # Split as a shell would (IPython's own splitter keeps the quotes of --env WHO='the cell').
-            args = self.torchrun.parser.parse_args(shlex.split(line))
+            args = parser.parse_args(shlex.split(line))
         except ValueError as error:  # unbalanced quotes
             raise UsageError(f"{error} in the %%torchrun line (%%torchrun --help lists the options)") from None
         except UsageError as error:
             raise UsageError(f"{error} (%%torchrun --help lists the options)") from None
         if args.help:
-            print(self.torchrun.parser.format_help())
+            print(parser.format_help())
             return
         if not args.out.isidentifier() or keyword.iskeyword(args.out):
             raise UsageError(f"--out must be a Python variable name, got {args.out!r}.")
@@ -137,9 +116,7 @@ class TorchrunMagics(Magics):
                 write_cell_script(cell, script, origin=notebook.name if notebook else "notebook.ipynb", name=name)
                 config = make_launch_config(
                     script, nproc=args.nproc, backend=args.backend, timeout_s=args.timeout, run_dir=run_dir,
-                    cwd=args.cwd, cold=args.cold, max_restarts=args.max_restarts, nnodes=args.nnodes,
-                    kill_rank=args.kill_rank, kill_after=_unquoted(args.kill_after), extra_env=_variables(args.env),
-                    join_after=_unquoted(args.join_after), cluster=_slurm_job(args),
+                    cwd=args.cwd, max_restarts=args.max_restarts, extra_env=_variables(args.env), job=_job(args),
                     import_dir=Path.cwd(),  # where the kernel imports from: the notebook's folder in Jupyter
                 )
             except LaunchError as error:
@@ -150,7 +127,7 @@ class TorchrunMagics(Magics):
             started = time.monotonic()
             try:
                 run = launch(config, folder)
-            except LaunchError as error:  # e.g. a Slurm job refused
+            except LaunchError as error:  # e.g. a cluster refused the job
                 raise UsageError(str(error)) from None
             except KeyboardInterrupt:  # the launcher stopped the run and swept before letting this through
                 raise RunStopped(script.name, time.monotonic() - started) from None
@@ -166,7 +143,7 @@ class TorchrunMagics(Magics):
     def torchrun_help(self, line: str):
         """`%torchrun --help` prints the options; code runs on every rank from a `%%torchrun` cell."""
         if _asks_for_help(line):
-            print(self.torchrun.parser.format_help())
+            print(_with_job_options(self.torchrun.parser).format_help())
             return
         raise UsageError("%torchrun (one %) only prints the options: %torchrun --help. To run code on every rank, "
                          "start a cell with %%torchrun (two %) and write the code below that line.")
@@ -198,18 +175,34 @@ def _ipython_syntax_hint(error: SyntaxError) -> str:
             "plain Python script. Put them in a cell of their own, or write Python (e.g. subprocess.run([...])).")
 
 
-def _slurm_job(args):
-    """The --slurm options as a `SlurmJob`, or None (a run on this machine)."""
-    if not args.slurm:
-        if args.nodes != 1 or args.partition or args.time or args.gpus_per_node or args.sbatch_args:
-            raise LaunchError("--nodes, --partition, --time, --gpus-per-node and --sbatch-args go with --slurm "
-                              "(for several agents on this machine, use --nnodes).")
-        return None
-    from .slurm import SlurmJob
+# Each registered job's %%torchrun options, as added to the magic's parser (once per job).
+_JOB_OPTIONS: dict[type[Job], list[argparse.Action]] = {}
 
-    extra = tuple(shlex.split(_unquoted(args.sbatch_args) or ""))
-    return SlurmJob(nodes=args.nodes, partition=args.partition, time=args.time, gpus_per_node=args.gpus_per_node,
-                    sbatch_args=extra)
+
+def _with_job_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The magic's parser with every registered job's own options, each job's under its heading (a job
+    registered after the magic was loaded gets its options at the next cell)."""
+    for job in registered_jobs():
+        if job not in _JOB_OPTIONS:
+            before = list(parser._actions)
+            job.add_arguments(parser.add_argument_group(f"for {job.label}"))
+            _JOB_OPTIONS[job] = [action for action in parser._actions if action not in before]
+    return parser
+
+
+def _job(args: argparse.Namespace) -> Job:
+    """The job the line asks for: the one whose options chose it, else the default; an option of a job not
+    chosen is an error that says whose it is."""
+    jobs = registered_jobs()
+    chosen = [job for job in (kind.from_arguments(args) for kind in jobs if not kind.is_default) if job is not None]
+    if len(chosen) > 1:
+        raise LaunchError(f"the options ask for {chosen[0].label} and for {chosen[1].label} at once: choose one.")
+    job = chosen[0] if chosen else next(kind for kind in jobs if kind.is_default).from_arguments(args)
+    for kind, actions in _JOB_OPTIONS.items():
+        for action in actions:
+            if kind is not type(job) and getattr(args, action.dest, action.default) != action.default:
+                raise LaunchError(f"{action.option_strings[-1]} is for {kind.label}, not for {type(job).label}.")
+    return job
 
 
 def _default_cell_name(shell) -> str:
@@ -227,18 +220,13 @@ def _variables(assignments: list[str]) -> dict[str, str]:
     """--env NAME=VALUE options as a dict (make_launch_config checks the names and values)."""
     variables = {}
     for assignment in assignments:
-        name, equals, value = _unquoted(assignment).partition("=")  # --env 'MSG=hello world' too
+        name, equals, value = option_text(assignment).partition("=")  # --env 'MSG=hello world' too
         if not equals:
             raise LaunchError(f"--env takes NAME=VALUE, got {assignment!r}. Example: --env TORCH_DISTRIBUTED_DEBUG=DETAIL")
-        variables[name] = _unquoted(value)
+        variables[name] = option_text(value)
     return variables
 
 
-def _unquoted(text: str | None) -> str | None:
-    """IPython's argument parser keeps the quotes around a quoted option value: drop them."""
-    if text and len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        return text[1:-1]
-    return text
 
 
 def register(ipython) -> None:

@@ -78,7 +78,7 @@ def _problem(folder: Path, private_top: Path | None) -> str | None:
 
 def private_top(folder: Path) -> Path:
     """Where the private part of `folder`'s path begins: the runs root for a folder under it, else `folder`."""
-    from .config import runs_root
+    from .run_folder import runs_root
 
     root = runs_root()
     return root if folder == root or root in folder.parents else folder

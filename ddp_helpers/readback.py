@@ -4,8 +4,9 @@ Nothing here raises: a file that is missing, unreadable, or written by another l
 and a recorded fact that cannot be loaded is reported on its rank (`RankResult.unreadable_facts`)
 while every other fact and rank is returned.
 
-Exit codes come from `outcome.json`, written by the supervisor from what the torchrun agent itself
-observed (its per-rank failures, negative for a signal), not from torchrun's printed summary.
+How each rank ended comes from the engine's `Ending` (the local engine: what the torchrun agents
+observed, their per-rank failures, negative for a signal; not torchrun's printed summary). Everything
+else comes from what the ranks wrote into the run folder, the same for every engine.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from .hang import last_printed_error, read_hang_report
 from .result import STACK_HEADING, RankError, RankResult, RunResult, find_root_cause
 from .run_folder import RankIdentity, RunFolder
 
-if TYPE_CHECKING:  # for annotations only: config imports nothing of the read-back side
-    from .config import LaunchConfig
+if TYPE_CHECKING:  # annotations only
+    from .engines import Ending, LaunchConfig
 
 
 def read_facts(folder: RunFolder, rank: int) -> tuple[dict, dict]:
@@ -56,36 +57,19 @@ def _stderr_with_stack(folder: RunFolder, rank: int) -> str:
     return stderr
 
 
-def collect_result(
-    config: LaunchConfig,
-    folder: RunFolder,
-    *,
-    returncode: int | None,
-    wall_time_s: float,
-    timed_out: bool,
-    launcher_log: str | None = None,
-    job_state: str = "",
-    job_id: str = "",
-) -> RunResult:
-    """The RunResult of the launch that just ended in `folder`. Exit codes come from the torchrun agents'
-    outcome (local runs), else from what each rank wrote as it ended (Slurm jobs)."""
-    outcome = folder.read_outcome() or {}
-    finished = outcome.get("succeeded") is True
-    failures = {int(rank): seen for rank, seen in (outcome.get("failures") or {}).items()}
-    died_at = {int(rank): t for rank, t in (outcome.get("died_at") or {}).items()}
+def collect_result(config: LaunchConfig, folder: RunFolder, ending: Ending, *, wall_time_s: float,
+                   timed_out: bool) -> RunResult:
+    """The RunResult of the launch that just ended in `folder`, as its engine saw it end (`ending`)."""
     ranks: list[RankResult] = []
     # A rank that never started wrote no identity: its fields are unknown (None), its restarts 0.
     unknown = RankIdentity(rank=-1, pid=0, agent=None, group_rank=None, local_rank=None, restart=0, world_size=0)
-    identities = [folder.read_identity(rank) or unknown for rank in range(config.world_size)]
-    world_size = config.world_size
-    if config.join_after:  # elastic: the world as large as it grew (agents that never joined left no rank)
-        world_size = max([identity.world_size for identity in identities] + [config.ranks_per_agent])
-    for rank, identity in enumerate(identities[:world_size]):
-        exit_code = _exit_code(folder, rank, identity, outcome, finished, failures.get(rank))
-        ranks.append(_rank_result(folder, rank, identity, exit_code, died_at.get(rank)))
+    for rank, ended in enumerate(ending.ranks):
+        identity = folder.read_identity(rank) or unknown
+        ranks.append(_rank_result(folder, rank, identity, ended.exit_code, ended.died_at))
     root = find_root_cause(ranks)
     if root is not None:
         ranks[root.rank] = replace(root, root_cause=True)
+    world_size = len(ranks)
     devices = tuple(f"cuda:{r}" if config.backend == "nccl" else "cpu" for r in range(world_size))
     hang = None
     if timed_out:  # a rank that wrote how it ended had ended on its own before the launcher stopped the run
@@ -100,31 +84,16 @@ def collect_result(
         wall_time_s=wall_time_s,
         backend=config.backend,
         devices=devices,
-        returncode=returncode,
+        returncode=0 if ending.succeeded else 1,
         timed_out=timed_out,
-        launcher_log=folder.read_text(folder.torchrun_log) if launcher_log is None else launcher_log,
-        job_state=job_state,
-        job_id=job_id,
+        launcher_log=ending.launcher_log,
+        job_state=ending.reason,
+        job_id=ending.job_id,
+        where=ending.where,
+        never_started=ending.never_started,
         run_id=folder.run_id or "",
         hang=hang,
     )
-
-
-def _exit_code(folder: RunFolder, rank: int, identity: RankIdentity, outcome: dict, finished: bool,
-               seen: dict | None) -> int | None:
-    """How `rank` ended: as its agent saw it (`outcome`), else as the rank wrote it, else unknown (None)."""
-    if finished:
-        return 0
-    if seen is not None:
-        return seen.get("exit_code")
-    if "failures" in outcome and identity.agent in outcome.get("unfinished_agents", ()):
-        # Its agent was stopped before it could say: finished if the rank wrote how it ended, else stopped.
-        return folder.read_exit_code(rank)
-    if "failures" in outcome:
-        return 0  # the agent listed every rank that failed; this one was not among them
-    if not outcome:  # no agent to ask (a Slurm job): how the rank said it ended, if it could
-        return folder.read_exit_code(rank)
-    return None
 
 
 def _rank_result(folder: RunFolder, rank: int, identity: RankIdentity, exit_code: int | None,

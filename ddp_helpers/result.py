@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from .hang import HangReport
 from .run_folder import ATTEMPT_MARK
 
-if TYPE_CHECKING:  # for annotations only: config imports nothing of the read-back side
-    from .config import LaunchConfig
+if TYPE_CHECKING:  # annotations only
+    from .engines import LaunchConfig
 
 
 def _signal_name(number: int) -> str:
@@ -34,8 +34,6 @@ class RankError:
 
 # Above a timed-out rank's stack dump, in its stderr.
 STACK_HEADING = "[ddp_helpers] where rank {rank} was when the run timed out:"
-# A Slurm job cancelled before it ever ran: its job_state starts with this, then " (Slurm's reason)".
-NEVER_LEFT_THE_QUEUE = "PENDING, never started"
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,7 @@ class RankResult:
         agent: which of the run's torchrun agents started it (0 .. nnodes - 1; None if it never started).
         group_rank, local_rank: its agent's place in the rendezvous (GROUP_RANK), and its LOCAL_RANK there.
         restart: the restart count (TORCHELASTIC_RESTART_COUNT) of its latest attempt: 0 if never restarted.
-        node: the machine it ran on (its Slurm node name, or this machine's host name).
+        node: the machine it ran on (its name as the engine gave it, or the host's name).
             `attempts` splits its stdout by attempt.
     """
 
@@ -182,10 +180,15 @@ class RunResult:
         wall_time_s: seconds from launch to the end of cleanup.
         backend: "gloo" or "nccl".
         devices: the device each rank was given ("cpu" or "cuda:k").
-        returncode: torchrun's exit code (None if it had to be killed).
+        returncode: 0 when the engine saw the whole run end well (torchrun's agents, a job's final state),
+            else 1.
         timed_out: the launcher stopped the run after config.timeout_s.
-        launcher_log: torchrun's own output (its error summary, warnings); for a Slurm job, the job's output file.
-        job_state, job_id: for a Slurm job, its final state (COMPLETED, FAILED, CANCELLED, TIMEOUT, ...) and id.
+        launcher_log: torchrun's own output (its error summary, warnings); for a cluster's job, its output file.
+        job_state, job_id: for a cluster's job, its final state as the scheduler says it (COMPLETED, FAILED,
+            CANCELLED, ...) and its id; "" otherwise.
+        where: where the run ran, as the summary says it ("on 2 agents"; "" for one agent on this machine).
+        never_started: if the run was stopped before any rank started, what it waited for (a sentence's
+            subject, from the engine); "" otherwise.
         hang: for a timed-out run, what each rank was waiting in and the cause where it can be seen
             (`hang.ranks`, `hang.cause`, `hang.text()`); None otherwise.
     """
@@ -202,6 +205,8 @@ class RunResult:
     job_state: str = ""
     job_id: str = ""
     hang: HangReport | None = None
+    where: str = ""
+    never_started: str = ""
 
     @property
     def run_dir(self) -> Path:
@@ -233,20 +238,18 @@ class RunResult:
         return [r.facts[name] for r in self.ranks]
 
     def summary(self) -> str:
-        agents = f" on {self.config.nnodes} agents" if self.config.nnodes > 1 else ""
-        if self.job_id:
-            agents = f" on {self.config.nnodes} Slurm node(s), job {self.job_id} {self.job_state}"
+        agents = f" {self.where}" if self.where else ""
         restarted = f", restarted {self.restarts} time(s)" if self.restarts else ""
         lines = [
             f"{len(self.ranks)} rank(s){agents}, backend {self.backend}, {self.wall_time_s:.1f} s{restarted}: "
             + ("all ranks finished" if self.ok else "FAILED")
         ]
-        queued = self.job_state.startswith(NEVER_LEFT_THE_QUEUE)
+        queued = bool(self.never_started)
         if self.timed_out and queued:
             lines.append(
-                f"Timed out after {self.config.timeout_s:.0f} s while Slurm job {self.job_id} was still waiting in the "
-                f"queue{self.job_state[len(NEVER_LEFT_THE_QUEUE):]}: it never started, no rank ran, and it was "
-                "cancelled. Raise --timeout to wait longer, or ask for fewer nodes, GPUs or less time."
+                f"Timed out after {self.config.timeout_s:.0f} s while {self.never_started}: it never started, no "
+                "rank ran, and it was cancelled. Raise --timeout to wait longer, or ask for fewer nodes, GPUs or "
+                "less time."
             )
         elif self.timed_out:
             stacks = any(STACK_HEADING.format(rank=r.rank) in r.stderr for r in self.ranks)
@@ -341,5 +344,5 @@ class RunFailed(RuntimeError):
         elif root is not None:
             reason = f"rank {root.rank} failed first ({_failure_reason(root)})"
         else:
-            reason = f"torchrun exited with {run.returncode}"
+            reason = "failed (see the launcher's log: run.launcher_log)"
         super().__init__(f"The run of {run.config.script.name} on {len(run.ranks)} rank(s) {reason}. Details above.")

@@ -25,13 +25,12 @@
         outcome.json                 how each rank ended, as the torchrun agents saw it (the supervisor writes it)
         agent1.outcome.json          the same, from each further agent (--nnodes), merged into outcome.json
         torchrun.log                 the agent's own output; torchelastic/: torchrun's --log-dir, while it runs
-        slurm-<job id>.out           a Slurm job's own output
+        job-<job id>.out             a scheduler's job's own output (`job_log`)
 
 No other module spells these names: each file has its methods here.
 - Paths: `output(rank, stream)`, `fifo(rank, stream)` in `pipes_dir`, `stack_file(rank)`, `hang_request(rank)`,
   `flight_recorder_dump(rank)`, `facts_dir(rank)`, `torchrun_log`, `torchrun_log_dir`, `supervisor_spec`,
-  `slurm_log(job_id)`; `is_bookkeeping(path)` tells a
-  rank's own files from the folder's.
+  `job_log(job_id)`; `is_bookkeeping(path)` tells a rank's own files from the folder's.
 - Written by the ranks (light: no torch import): `from_environment()`, `write_identity(RankIdentity)`,
   `write_error(RankErrorRecord)`, `clear_error(rank)`, `write_exit(rank, code)`,
   `write_evidence(rank, files_written=, point_to_point=, all_reduced=, collectives=, channel_bytes=)`, `write_hang_answer(rank, answer)`,
@@ -53,11 +52,14 @@ Environment variables set by the launcher for every rank:
     DDP_HELPERS_RUN_ID    a marker unique to the launch, used to tie files to it and to find its processes
     DDP_HELPERS_AGENT_PID the torchrun agent's pid: a rank whose parent is already gone exits at once
     DDP_HELPERS_AGENT     which of the run's agents started the rank (0 .. nnodes - 1)
+    DDP_HELPERS_NODE      the name of the machine it runs on, where the host's own name would not say
+    DDP_HELPERS_LOOPBACK_ONLY "1" when every rank is on this machine: stores listen on loopback only
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import secrets
@@ -73,8 +75,11 @@ RUN_DIR_ENV = "DDP_HELPERS_RUN_DIR"
 IMPORT_DIR_ENV = "DDP_HELPERS_IMPORT_DIR"
 RUN_ID_ENV = "DDP_HELPERS_RUN_ID"
 AGENT_PID_ENV = "DDP_HELPERS_AGENT_PID"
-# Which of the run's torchrun agents ("machines") started a rank.
+# Which of the run's torchrun agents ("machines") started a rank, and the machine's name (default: the host's).
 AGENT_ENV = "DDP_HELPERS_AGENT"
+NODE_ENV = "DDP_HELPERS_NODE"
+# "1": every rank of the run is on this machine, and the stores it opens must listen on loopback only.
+LOOPBACK_ENV = "DDP_HELPERS_LOOPBACK_ONLY"
 # The number only this rank's process is handed (`RunFolder.rank_secret`), in its environment.
 SECRET_ENV = "DDP_HELPERS_RANK_SECRET"
 # Starts the line a restarted rank prints first on stdout: where its new attempt begins.
@@ -83,6 +88,24 @@ MARKER_NAME = ".ddp_helpers-run"
 LOCK_NAME = ".lock"
 # Per rank and stream: the first and the last this many bytes are kept (and shown); the middle is dropped.
 OUTPUT_KEEP_BYTES = 1 << 20
+
+
+def runs_root() -> Path:
+    """Where generated scripts and run folders go: $DDP_HELPERS_RUNS if set, else `runs/` in the project
+    (or in the current folder when ddp_helpers is installed elsewhere)."""
+    if os.environ.get("DDP_HELPERS_RUNS"):
+        # Not resolved: a symbolic link placed there is refused by the launch (`private_folders`), not followed.
+        return Path(os.path.abspath(Path(os.environ["DDP_HELPERS_RUNS"]).expanduser()))
+    project = Path(__file__).resolve().parent.parent
+    if (project / "pyproject.toml").is_file():
+        return project / "runs"
+    return Path.cwd() / "runs"
+
+
+def default_run_dir(script: Path) -> Path:
+    """A run folder of its own for each script path: two scripts with one name never share one."""
+    digest = hashlib.sha1(str(script).encode()).hexdigest()[:8]
+    return runs_root() / "scripts" / f"{script.stem}-{digest}"
 
 
 @dataclass(frozen=True)
@@ -98,6 +121,15 @@ class RankIdentity:
     attempt: int = 1  # how many times the rank has started in this launch
     world_size: int = 1
     node: str | None = None
+
+
+@dataclass(frozen=True)
+class KillRequest:
+    """Which rank kills itself once it has printed which line (`.kill_request.json`, from --kill-rank and
+    --kill-after)."""
+
+    rank: int
+    text: str
 
 
 @dataclass(frozen=True)
@@ -249,9 +281,9 @@ class RunFolder:
         """The `SupervisorSpec` the local engine hands its supervisor."""
         return self.path / "supervisor.json"
 
-    def slurm_log(self, job_id: str = "%j") -> Path:
-        """The job's own output (sbatch --output; Slurm writes %j as the job id)."""
-        return self.path / f"slurm-{job_id}.out"
+    def job_log(self, job_id: str = "%j") -> Path:
+        """A scheduler's job's own output (its --output option; %j: the job id, as the scheduler writes it)."""
+        return self.path / f"job-{job_id}.out"
 
     def is_bookkeeping(self, path: str) -> bool:
         """True for the folder's own files (the ranks' outputs and records, facts, dumps, the agents'
@@ -434,6 +466,12 @@ class RunFolder:
             return path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def write_kill_request(self, request: KillRequest) -> None:
+        self.write_json(self.kill_request, asdict(request))
+
+    def read_kill_request(self) -> KillRequest | None:
+        return _from_json(KillRequest, self.read_own_json(self.kill_request))
 
     def read_identity(self, rank: int) -> RankIdentity | None:
         """What the rank's latest attempt wrote about itself, or None if it never started."""

@@ -113,7 +113,8 @@ def check_detection(gpus: int) -> None:
 
 
 def check_all_reduce(folder: Path, world: int, cold: bool, backend: str = "nccl") -> None:
-    from ddp_helpers import launch, make_launch_config, warm
+    from ddp_helpers import launch, make_launch_config
+    from ddp_helpers.engines.local import warm
     from ddp_helpers.launcher import prepare_warm_launches
 
     name = "cold launch" if cold else "warm launch"

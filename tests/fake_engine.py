@@ -1,38 +1,42 @@
-"""A third engine, as a new scheduler would bring one: a `ClusterJob` that checks its own options and the
-`Engine` the launcher's loop drives. It "runs" each rank as a plain subprocess (no torchrun, no agent):
-enough to prove that `launcher.launch` follows any engine the same way (streaming, deadline, stop, read-back)."""
+"""A third engine, as a new scheduler would bring one, in one file and with no edit in ddp_helpers: a `Job`
+that declares its own `%%torchrun` option (--plain-processes) and checks its own options, and the `Engine`
+the launcher's loop drives. It "runs" each rank as a plain subprocess (no torchrun, no agent), started with
+the rank contract every engine uses (`engines.rank_command`): enough to prove that `launcher.launch` and the
+magic follow any engine the same way (options, streaming, deadline, stop, read-back, the learner's modules)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-from ddp_helpers.config import LaunchConfig, default_run_dir, inherited_environment, parse_nproc
-from ddp_helpers.engine import ClusterJob, Ending, Engine, LaunchRequest
+from ddp_helpers.engines import (Ending, Engine, Job, LaunchConfig, LaunchRequest, RankEnding, parse_nproc,
+                                 rank_command, register_job)
 from ddp_helpers.errors import LaunchError
 from ddp_helpers.processes import kill_process_groups
-from ddp_helpers.run_folder import RUN_DIR_ENV, RUN_ID_ENV, RunFolder
-
-PROJECT = Path(__file__).resolve().parent.parent
+from ddp_helpers.run_folder import RunFolder
 
 
+@register_job
 @dataclass(frozen=True)
-class PlainProcessesJob(ClusterJob):
+class PlainProcessesJob(Job):
     """Every rank a plain `python -m ddp_helpers._bootstrap SCRIPT` with RANK and WORLD_SIZE set."""
 
+    label = "plain processes (--plain-processes)"
+
+    @classmethod
+    def add_arguments(cls, options) -> None:
+        options.add_argument("--plain-processes", action="store_true",
+                             help="run each rank as a plain process, without torchrun (a test's engine)")
+
+    @classmethod
+    def from_arguments(cls, args) -> PlainProcessesJob | None:
+        return cls() if args.plain_processes else None
+
     def launch_config(self, request: LaunchRequest) -> LaunchConfig:
-        if request.local_options:
-            raise LaunchError(f"{request.local_options[0]} is not for plain processes.")
         if request.backend not in (None, "gloo"):
             raise LaunchError("plain processes run on CPU: backend 'gloo' only.")
-        return LaunchConfig(
-            script=request.script, ranks_per_agent=parse_nproc(request.nproc or 2), backend="gloo",
-            timeout_s=request.timeout_s, run_dir=request.run_dir or default_run_dir(request.script),
-            extra_env=request.extra_env, script_args=request.script_args, stream=request.stream, cwd=request.cwd,
-            warm=False, cluster=self,
-        )
+        return request.config(self, ranks_per_agent=parse_nproc(request.nproc or 2), backend="gloo")
 
     def engine(self, config: LaunchConfig, folder: RunFolder) -> Engine:
         return PlainProcessesEngine(config, folder)
@@ -45,13 +49,12 @@ class PlainProcessesEngine(Engine):
 
     def start(self, run_id: str) -> None:
         config = self.config
+        command = rank_command(config, run_id)
         for rank in range(config.world_size):
-            env = {**inherited_environment(), **config.extra_env, RUN_DIR_ENV: str(config.run_dir), RUN_ID_ENV: run_id,
-                   "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(config.world_size),
-                   "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(PROJECT)}
-            self.processes.append(subprocess.Popen(
-                [sys.executable, "-m", "ddp_helpers._bootstrap", str(config.script), *config.script_args],
-                env=env, cwd=config.working_dir, stdin=subprocess.DEVNULL, start_new_session=True))
+            env = {**command.environment(), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                   "WORLD_SIZE": str(config.world_size), "MASTER_ADDR": "127.0.0.1"}
+            self.processes.append(subprocess.Popen([sys.executable, *command.argv], env=env, cwd=config.working_dir,
+                                                   stdin=subprocess.DEVNULL, start_new_session=True))
 
     def running(self) -> bool:
         return any(process.poll() is None for process in self.processes)
@@ -62,5 +65,6 @@ class PlainProcessesEngine(Engine):
             process.wait()
 
     def ending(self) -> Ending:
-        return Ending(returncode=max((abs(p.returncode) for p in self.processes), default=0) and 1,
+        ranks = tuple(RankEnding(process.returncode) for process in self.processes)
+        return Ending(ranks=ranks, succeeded=all(rank.exit_code == 0 for rank in ranks), where="as plain processes",
                       launcher_log="(plain processes: no launcher log)")

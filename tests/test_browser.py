@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from ddp_helpers.processes import kill_marked, marked_processes
-from ddp_helpers.zygote import SUPERVISOR_STOP_S
+from ddp_helpers.engines.local.zygote import SUPERVISOR_STOP_S
 from support import course_notebooks, free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -29,7 +29,8 @@ LAUNCHING_PROCESS = textwrap.dedent(
     # The stop button is SIGINT, which a Jupyter kernel always handles, whatever started the tests (a
     # background job of a script starts with SIGINT ignored, and Python then leaves it ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from ddp_helpers import launch, make_launch_config, warm
+    from ddp_helpers import launch, make_launch_config
+    from ddp_helpers.engines.local import warm
     from ddp_helpers.config import Hardware
     from ddp_helpers.launcher import prepare_warm_launches
     script, marker, run_dir, nproc, how, nnodes = sys.argv[1:7]
@@ -166,7 +167,7 @@ def test_a_kernel_killed_while_ranks_start_leaves_no_rank(tmp_path):
 
         def a_rank_started():
             return [pid for pid in processes_left("TEST_MARK", marker)
-                    if b"ddp_helpers._bootstrap" in _cmdline(pid) and b"ddp_helpers.supervisor" not in _cmdline(pid)]
+                    if b"ddp_helpers._bootstrap" in _cmdline(pid) and b"ddp_helpers.engines.local.supervisor" not in _cmdline(pid)]
 
         try:
             wait_until(a_rank_started, 60, "a rank process exists")

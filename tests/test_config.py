@@ -161,11 +161,11 @@ def test_bad_join_options_are_refused(script, nnodes, join_after, message):
 
 
 def test_a_slurm_launch_takes_its_defaults_from_the_job_not_this_machine(script):
-    from ddp_helpers.slurm import SlurmJob
+    from ddp_helpers.engines.slurm import SlurmJob
 
-    cpu = make_launch_config(script, cluster=SlurmJob(nodes=3), hardware=TWO_GPUS)
-    assert (cpu.ranks_per_agent, cpu.backend, cpu.nnodes, cpu.world_size, cpu.warm) == (2, "gloo", 3, 6, False)
-    gpu = make_launch_config(script, cluster=SlurmJob(nodes=2, gpus_per_node=8), hardware=NO_GPU)
+    cpu = make_launch_config(script, job=SlurmJob(nodes=3), hardware=TWO_GPUS)
+    assert (cpu.ranks_per_agent, cpu.backend, cpu.nnodes, cpu.world_size) == (2, "gloo", 3, 6)
+    gpu = make_launch_config(script, job=SlurmJob(nodes=2, gpus_per_node=8), hardware=NO_GPU)
     assert (gpu.ranks_per_agent, gpu.backend, gpu.world_size) == (8, "nccl", 16)
 
 
@@ -178,19 +178,19 @@ def test_a_slurm_launch_takes_its_defaults_from_the_job_not_this_machine(script)
     ({}, {"nnodes": 2}, "nnodes is for runs on this machine"),
 ])
 def test_bad_slurm_jobs_are_refused_before_submitting(script, job, options, message):
-    from ddp_helpers.slurm import SlurmJob
+    from ddp_helpers.engines.slurm import SlurmJob
 
     with pytest.raises(LaunchError, match=message):
-        make_launch_config(script, cluster=SlurmJob(**job), hardware=NO_GPU, **options)
+        make_launch_config(script, job=SlurmJob(**job), hardware=NO_GPU, **options)
 
 
 def test_nnodes_1_is_the_default_and_goes_with_slurm(script):
-    from ddp_helpers.slurm import SlurmJob
+    from ddp_helpers.engines.slurm import SlurmJob
 
-    config = make_launch_config(script, nnodes="1", cluster=SlurmJob(nodes=2), hardware=NO_GPU)
+    config = make_launch_config(script, nnodes="1", job=SlurmJob(nodes=2), hardware=NO_GPU)
     assert config.nnodes == 2  # the job's nodes
     with pytest.raises(LaunchError, match="nnodes is for runs on this machine"):
-        make_launch_config(script, nnodes="2", cluster=SlurmJob(nodes=2), hardware=NO_GPU)
+        make_launch_config(script, nnodes="2", job=SlurmJob(nodes=2), hardware=NO_GPU)
 
 
 def test_a_record_name_too_long_for_a_file_is_one_clear_error():
@@ -204,7 +204,7 @@ def test_a_record_name_too_long_for_a_file_is_one_clear_error():
 def test_slurm_refused_on_a_machine_outside_any_cluster_says_so(tmp_path, monkeypatch):
     """Slurm's commands installed but no cluster (a laptop with the Debian packages): sbatch's own DNS errors,
     then what they mean and what to do."""
-    from ddp_helpers.slurm import submit
+    from ddp_helpers.engines.slurm import submit
 
     for command, output in (("sbatch", "sbatch: fatal: Could not establish a configuration source"),
                             ("sinfo", "sinfo: fatal: Could not establish a configuration source")):

@@ -1,5 +1,9 @@
 """The launcher's one follow loop drives any engine: a third engine (tests/fake_engine.py, each rank a plain
-subprocess) gets streaming, the read-back, the root cause, the deadline and the stop from `launch` alone."""
+subprocess, one file with no edit in ddp_helpers) gets streaming, the read-back, the root cause, the deadline
+and the stop from `launch` alone, and its own %%torchrun option from the magic; every engine starts its ranks
+with the one rank contract (`engines.rank_command`)."""
+
+import os
 
 import pytest
 
@@ -25,7 +29,7 @@ time.sleep(600)
 
 
 def test_a_third_engine_is_followed_streamed_and_read_back_by_the_same_loop(write_script, capsys):
-    run = launch(make_launch_config(write_script("who", WHO), nproc=3, cluster=PlainProcessesJob()))
+    run = launch(make_launch_config(write_script("who", WHO), nproc=3, job=PlainProcessesJob()))
     streamed = capsys.readouterr().out
     assert [r.facts["who"] for r in run.ranks] == [{"rank": r, "world": 3} for r in range(3)]
     assert "[rank 2] hello from rank 2 of 3" in streamed
@@ -36,18 +40,66 @@ def test_a_third_engine_is_followed_streamed_and_read_back_by_the_same_loop(writ
 
 def test_the_loops_deadline_stops_a_third_engines_ranks(write_script):
     run = launch(make_launch_config(write_script("sleeper", SLEEPER), nproc=2, timeout_s=6, stream=False,
-                                    cluster=PlainProcessesJob()))
+                                    job=PlainProcessesJob()))
     assert run.timed_out and not run.ok
     assert all("sleeping" in r.stdout for r in run.ranks)
     pids = _rank_pids(run)
     assert pids and all(process_is_dead(pid) for pid in pids), "the stop left a rank running"
 
 
-def test_a_cluster_job_checks_its_own_options(write_script):
-    with pytest.raises(LaunchError, match="nnodes is not for plain processes"):
-        make_launch_config(write_script("who", WHO), nnodes=2, cluster=PlainProcessesJob())
-    with pytest.raises(LaunchError, match="cluster must be a cluster job"):
-        make_launch_config(write_script("who", WHO), cluster="slurm")
+def test_a_job_checks_its_own_options_and_refuses_another_jobs(write_script):
+    with pytest.raises(LaunchError, match=r"nnodes is for runs on this machine, not for plain processes \(--plain"):
+        make_launch_config(write_script("who", WHO), nnodes=2, job=PlainProcessesJob())
+    with pytest.raises(LaunchError, match="backend 'gloo' only"):
+        make_launch_config(write_script("who", WHO), backend="nccl", job=PlainProcessesJob())
+    with pytest.raises(LaunchError, match=r"job must be a job \(an engines.Job\), got str"):
+        make_launch_config(write_script("who", WHO), job="slurm")
+
+
+def test_a_third_engine_declares_its_option_and_runs_a_cell_that_imports_beside_the_notebook(ipython, tmp_path,
+                                                                                             monkeypatch, capsys):
+    # Registered by importing tests/fake_engine.py (above), after %load_ext: the magic offers its option at
+    # the next cell, and its ranks import a module beside the notebook, as a local run's do.
+    (tmp_path / "course").mkdir()
+    (tmp_path / "course" / "model_beside.py").write_text("WHO = 'beside the notebook'\n")
+    monkeypatch.chdir(tmp_path / "course")
+    ipython.run_cell("%torchrun --help")
+    assert "--plain-processes" in capsys.readouterr().out
+    result = ipython.run_cell("%%torchrun --plain-processes -n 3 --name plain --out plain\n"
+                              "import os, sys, model_beside\nfrom ddp_helpers import record\n"
+                              "record('seen', [model_beside.WHO, os.environ['RANK'], 'torch.distributed.run' in sys.modules])\n")
+    assert result.success, result.error_in_exec
+    run = ipython.user_ns["plain"]
+    assert run.facts("seen") == [["beside the notebook", str(rank), False] for rank in range(3)]
+    assert "3 rank(s) as plain processes" in run.summary()
+
+
+def test_an_option_of_a_job_not_chosen_says_whose_it_is(ipython):
+    result = ipython.run_cell("%%torchrun --plain-processes --kill-rank 1 --kill-after 'x'\npass\n")
+    assert "--kill-rank is for runs on this machine, not for plain processes" in str(result.error_in_exec)
+    both = ipython.run_cell("%%torchrun --plain-processes --slurm\npass\n")
+    assert "choose one" in str(both.error_in_exec)
+
+
+def test_every_engine_starts_its_ranks_with_the_one_rank_contract(tmp_path):
+    from ddp_helpers.engines import LaunchConfig, rank_command
+    from ddp_helpers.engines.local.engine import child_environment
+    from ddp_helpers.engines.slurm import SlurmJob, job_script
+
+    config = LaunchConfig(tmp_path / "train.py", 2, "gloo", 60.0, tmp_path / "run", job=SlurmJob(nodes=2),
+                          extra_env={"MINE": "1"}, import_dir=tmp_path / "course", nnodes=2)
+    command = rank_command(config, "abc")
+    theirs = {"PYTHONPATH": "/theirs", "RANK": "7", "OMP_NUM_THREADS": "4"}
+    env = command.environment(theirs)
+    assert env["PYTHONPATH"].split(os.pathsep) == [command.python_path, "/theirs"], "prepended, not replaced"
+    assert "RANK" not in env and env["OMP_NUM_THREADS"] == "4" and env["MINE"] == "1"
+    assert env["DDP_HELPERS_IMPORT_DIR"] == str(tmp_path / "course") and env["DDP_HELPERS_RUN_ID"] == "abc"
+    local = child_environment(config, "abc", theirs)
+    assert {key: local[key] for key in env} == env, "the local engine adds to the contract, never changes it"
+    script = job_script(config, "abc")
+    for name, value in command.env.items():
+        assert f"export {name}=" in script and value in script
+    assert f"export PYTHONPATH={command.python_path}" in script and " ".join(command.argv[:2]) in script
 
 
 def _rank_pids(run) -> list[int]:
@@ -57,7 +109,7 @@ def _rank_pids(run) -> list[int]:
 
 
 def test_the_supervisor_gets_one_spec_that_round_trips_through_the_run_folder(tmp_path):
-    from ddp_helpers.supervisor_spec import SupervisorSpec
+    from ddp_helpers.engines.local.supervisor_spec import SupervisorSpec
 
     spec = SupervisorSpec(parent_pid=123, run_id="abc", shutdown_grace_s=3, nnodes=2, ranks_per_agent=2, max_restarts=1,
                           worker=("-m", "ddp_helpers._bootstrap", "train.py"), log_dir=str(tmp_path / "logs"),

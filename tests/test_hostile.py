@@ -15,7 +15,7 @@ import pytest
 from ddp_helpers import LaunchError, RunFailed
 from ddp_helpers.cells import notebook_key
 from ddp_helpers.config import runs_root
-from ddp_helpers.local_engine import HANG_REPORT_WAIT_S, STACK_DUMP_WAIT_S, STOP_BOUND_S
+from ddp_helpers.engines.local.engine import HANG_REPORT_WAIT_S, STACK_DUMP_WAIT_S, STOP_BOUND_S
 from ddp_helpers.run_folder import MARKER_NAME, RankErrorRecord, RunFolder
 from support import failure_report, run_on_cpu
 

@@ -55,7 +55,7 @@ def test_the_line_magic_without_help_says_how_to_run_a_cell(ipython):
         ("--out 1x", r"--out must be a Python variable name"),
         ("--out class", r"--out must be a Python variable name"),
         ("--nnodes 0", r"nnodes must be a whole number of agents from 1 to 8"),
-        ("--nodes 2", r"--nodes, --partition, .* go with --slurm"),
+        ("--nodes 2", r"--nodes is for Slurm jobs \(--slurm\), not for runs on this machine"),
         ("--slurm --nodes 0", r"slurm nodes must be a whole number from 1 to 64"),
         ("--env NOEQUALS", r"--env takes NAME=VALUE"),
         ("--kill-rank 1", r"kill_rank and kill_after go together"),

@@ -37,7 +37,7 @@ def test_disabled_streaming_prints_nothing(tmp_path, capsys):
 
 
 def test_capped_output_keeps_the_first_and_last_bytes_and_says_how_much_was_dropped(tmp_path):
-    from ddp_helpers.supervisor import CappedOutput
+    from ddp_helpers.engines.local.supervisor import CappedOutput
 
     capped = CappedOutput(tmp_path / "out", keep=20)
     for i in range(100):

@@ -55,13 +55,11 @@ def test_a_rank_killed_by_a_signal_is_the_root_cause_of_the_peer_that_noticed_it
     assert late.first_failure.rank == 1
 
 
-def test_a_slurm_job_that_never_left_the_queue_says_so():
+def test_a_job_that_never_left_the_queue_says_so_in_its_engines_words():
     from dataclasses import replace
 
-    from ddp_helpers.result import NEVER_LEFT_THE_QUEUE
-
     run = replace(make_run([RankResult(0, None, "", ""), RankResult(1, None, "", "")], timed_out=True, returncode=1),
-                  job_id="42", job_state=f"{NEVER_LEFT_THE_QUEUE} (Resources)")
+                  job_id="42", never_started="Slurm job 42 was still waiting in the queue (Resources)")
     summary = run.summary()
     assert "while Slurm job 42 was still waiting in the queue (Resources): it never started" in summary
     assert "Where each rank still running was" not in summary

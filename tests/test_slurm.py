@@ -18,7 +18,7 @@ import pytest
 
 from ddp_helpers import LaunchError, launch, make_launch_config
 from ddp_helpers.lessons import slurm_jobs
-from ddp_helpers.slurm import SlurmJob
+from ddp_helpers.engines.slurm import SlurmJob
 from ddp_helpers.run_folder import RUN_ID_ENV
 from slurm_cluster import LocalSlurmCluster, slurm_installed
 from support import failure_report, processes_left
@@ -93,7 +93,7 @@ def test_a_two_node_cell_makes_one_world_with_every_ranks_output_and_facts(clust
 
 
 def test_a_failing_rank_is_named(cluster, write_script):
-    config = make_launch_config(write_script("who", WHO), cluster=SlurmJob(nodes=2), nproc=2, timeout_s=90,
+    config = make_launch_config(write_script("who", WHO), job=SlurmJob(nodes=2), nproc=2, timeout_s=90,
                                 stream=False, extra_env={"FAIL_RANK": "3"})
     run = launch(config)
     assert not run.ok and run.job_state == "FAILED", failure_report(run)
@@ -101,7 +101,7 @@ def test_a_failing_rank_is_named(cluster, write_script):
 
 
 def test_the_timeout_cancels_the_job_and_leaves_no_process(cluster, write_script):
-    config = make_launch_config(write_script("sleeper", SLEEPER), cluster=SlurmJob(nodes=2), nproc=2, timeout_s=12,
+    config = make_launch_config(write_script("sleeper", SLEEPER), job=SlurmJob(nodes=2), nproc=2, timeout_s=12,
                                 stream=False)
     run = launch(config)
     assert run.timed_out and not run.ok
@@ -111,7 +111,7 @@ def test_the_timeout_cancels_the_job_and_leaves_no_process(cluster, write_script
 
 def test_a_job_still_queued_at_the_timeout_says_it_never_started_and_why(cluster, write_script):
     # --begin holds the job in the queue (reason BeginTime) however idle the cluster is.
-    config = make_launch_config(write_script("who", WHO), cluster=SlurmJob(nodes=2, sbatch_args=("--begin=now+1hour",)),
+    config = make_launch_config(write_script("who", WHO), job=SlurmJob(nodes=2, sbatch_args=("--begin=now+1hour",)),
                                 nproc=2, timeout_s=10, stream=False)  # time for Slurm to give the reason
     run = launch(config)
     assert run.timed_out and not run.ok
@@ -130,8 +130,8 @@ LAUNCHING_PROCESS = textwrap.dedent(
     # background job of a script starts with SIGINT ignored, and Python then leaves it ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from ddp_helpers import launch, make_launch_config
-    from ddp_helpers.slurm import SlurmJob
-    config = make_launch_config(sys.argv[1], cluster=SlurmJob(nodes=2), nproc=2, timeout_s=200, stream=False,
+    from ddp_helpers.engines.slurm import SlurmJob
+    config = make_launch_config(sys.argv[1], job=SlurmJob(nodes=2), nproc=2, timeout_s=200, stream=False,
                                 run_dir=sys.argv[2])
     try:
         launch(config)
@@ -171,10 +171,10 @@ def _read(path: Path) -> str:
 
 
 def test_a_job_slurm_refuses_is_one_error_with_slurms_message(cluster, write_script):
-    config = make_launch_config(write_script("who", WHO), cluster=SlurmJob(nodes=2, partition="nope"), stream=False)
+    config = make_launch_config(write_script("who", WHO), job=SlurmJob(nodes=2, partition="nope"), stream=False)
     with pytest.raises(LaunchError, match=r"Slurm did not accept the job:\n.*invalid partition"):
         launch(config)
-    config = make_launch_config(write_script("who", WHO), cluster=SlurmJob(nodes=5), stream=False)
+    config = make_launch_config(write_script("who", WHO), job=SlurmJob(nodes=5), stream=False)
     with pytest.raises(LaunchError, match=r"Slurm will not start job \d+ as asked: it waits with reason "
                                           r"\w*(PartitionConfig|NodeLimit)"):
         launch(config)
@@ -188,7 +188,7 @@ def job_end_state(job_id: str, timeout_s: float = 120) -> str:
 
 
 def test_the_generated_job_script_runs_with_plain_sbatch(cluster, write_script):
-    config = make_launch_config(write_script("who", WHO), cluster=SlurmJob(nodes=2), nproc=1, timeout_s=90, stream=False)
+    config = make_launch_config(write_script("who", WHO), job=SlurmJob(nodes=2), nproc=1, timeout_s=90, stream=False)
     first = launch(config)
     assert first.ok, failure_report(first)
     for stale in first.run_dir.glob("rank*"):
@@ -250,7 +250,7 @@ def test_a_hang_on_slurm_is_reported_with_its_cause_and_stacks(cluster, write_sc
     from test_hang import HANGS, PREAMBLE
 
     body, cause = HANGS["a collective one rank never calls"]
-    config = make_launch_config(write_script("hangs", PREAMBLE + body), cluster=SlurmJob(nodes=1), nproc=2,
+    config = make_launch_config(write_script("hangs", PREAMBLE + body), job=SlurmJob(nodes=1), nproc=2,
                                 timeout_s=30, stream=False)
     run = launch(config)
     assert run.timed_out and run.hang is not None, failure_report(run)

@@ -2,62 +2,111 @@
 package's modules import one another without a circle, and a rank's `record` loads no launcher code."""
 
 import ast
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ddp_helpers"
 # The run folder's files, as run_folder.py names them.
 RUN_FOLDER_NAMES = ("outcome.json", "torchrun.log", ".pid", ".stack", "error.json", "exit.json", "writes.json",
-                    "p2p.json", "collectives.json", "hang.json", "hang.request", "flight_recorder", "pipes")
+                    "p2p.json", "collectives.json", "hang.json", "hang.request", "flight_recorder", "pipes",
+                    "supervisor.json", "kill_request", ".forked", ".secret", "job-%j", "slurm-")
 
 
-def modules() -> dict[str, ast.Module]:
-    return {path.relative_to(PACKAGE).with_suffix("").as_posix().replace("/", "."): ast.parse(path.read_text())
-            for path in PACKAGE.rglob("*.py")}
+@dataclass(frozen=True)
+class Module:
+    path: Path
+    tree: ast.Module
+
+    @property
+    def is_package(self) -> bool:
+        return self.path.name == "__init__.py"
+
+
+def modules() -> dict[str, Module]:
+    """Every module of the package by its dotted name under ddp_helpers ("" for the package itself,
+    "engines" for engines/__init__.py)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = Module(path, ast.parse(path.read_text()))
+    return found
+
+
+def docstrings(tree: ast.Module) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
 
 
 def strings_in_code(tree: ast.Module) -> list[str]:
     """String constants, docstrings left out."""
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    skip = docstrings(tree)
     return [node.value for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip]
 
 
-def test_only_run_folder_spells_the_run_folders_file_names():
-    spelled = {name: [s for s in strings_in_code(tree) if any(file in s for file in RUN_FOLDER_NAMES)]
-               for name, tree in modules().items() if name != "run_folder"}
-    assert {name: found for name, found in spelled.items() if found} == {}
+def code_text(tree: ast.Module) -> str:
+    """The module as code: its names and strings, comments and docstrings left out."""
+    names = [node.id for node in ast.walk(tree) if isinstance(node, ast.Name)]
+    names += [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)]
+    names += [node.name for node in ast.walk(tree) if isinstance(node, (ast.ClassDef, ast.FunctionDef))]
+    names += [alias.name for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+              for alias in node.names] + [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    return "\n".join(names + strings_in_code(tree))
 
 
-def imports(name: str, tree: ast.Module) -> set[str]:
-    """The package's modules `name` imports as it loads, leaving out `if TYPE_CHECKING:` blocks (annotations
-    only) and imports inside functions."""
-    package = name.rsplit(".", 1)[0] if "." in name else ""
+# A run-folder file as prose names it: `rankN.hang.json`, `outcome.json`, `flight_recorder/rankN`, `job-%j.out`.
+FILE_IN_PROSE = re.compile(r"\brank(N|K|0|1)\.[a-z]|\b(outcome|torchrun|supervisor|exit|error|writes|p2p|collectives|"
+                           r"all_reduced|channel_bytes|hang)\.(json|log|request)\b|agentK?\.outcome|kill_request\.json|"
+                           r"\b(flight_recorder|pipes|facts)/|\b(job|slurm)-(%j|<job id>)")
+
+
+def test_only_run_folder_spells_the_run_folders_file_names_in_code_and_docstrings():
+    in_code = {name: [s for s in strings_in_code(module.tree) if any(file in s for file in RUN_FOLDER_NAMES)]
+               for name, module in modules().items() if name != "run_folder"}
+    in_prose = {name: [line.strip() for line in module.path.read_text().splitlines() if FILE_IN_PROSE.search(line)]
+                for name, module in modules().items() if name != "run_folder"}
+    assert {name: found for name, found in in_code.items() if found} == {}
+    assert {name: found for name, found in in_prose.items() if found} == {}
+
+
+def test_only_the_slurm_engine_knows_slurm():
+    knowing = [name for name, module in modules().items()
+               if "slurm" in code_text(module.tree).lower() and name != "engines.slurm" and not name.startswith("lessons")]
+    assert knowing == []
+
+
+def imports(name: str, module: Module, known: set[str], *, annotations: bool = False,
+            in_functions: bool = False) -> set[str]:
+    """The package's modules `name` imports: as it loads, or also in `if TYPE_CHECKING:` blocks (annotations)
+    and in functions."""
+    package = name.split(".") if module.is_package else name.split(".")[:-1]
+    package = [part for part in package if part]
     found = set()
 
     def walk(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING" and not annotations:
             return
         if isinstance(node, ast.ImportFrom) and node.level:
-            parts = package.split(".") if package else []
-            base = parts[: len(parts) - (node.level - 1)]
+            base = package[: len(package) - (node.level - 1)]
             stem = ".".join([*base, *(node.module.split(".") if node.module else [])])
-            found.update({stem} if node.module else {f"{stem}.{alias.name}".lstrip(".") for alias in node.names})
+            for alias in node.names:  # `from . import warm`: the module warm; `from .. import Ending`: the package
+                candidate = f"{stem}.{alias.name}".lstrip(".")
+                found.add(candidate if candidate in known else stem)
         for child in ast.iter_child_nodes(node):
-            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if in_functions or not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 walk(child)
 
-    walk(tree)
+    walk(module.tree)
     return found
 
 
-def test_the_packages_modules_import_one_another_without_a_circle():
-    trees = modules()
-    graph = {name: {imported for imported in imports(name, tree) if imported in trees and imported != name}
-             for name, tree in trees.items()}
+def assert_no_circle(graph: dict[str, set[str]]) -> None:
     state: dict[str, str] = {}
 
     def visit(name: str, path: list[str]) -> None:
@@ -73,6 +122,30 @@ def test_the_packages_modules_import_one_another_without_a_circle():
             visit(name, [])
 
 
+def import_graph(**how) -> dict[str, set[str]]:
+    found = modules()
+    known = set(found)
+    # A package's own __init__ runs before its modules: importing `engines.slurm` imports `engines` too, which
+    # is no circle of its own making, so an edge to one's own package is left out.
+    return {name: {imported for imported in imports(name, module, known, **how)
+                   if imported in known and imported != name and not name.startswith(imported + ".")}
+            for name, module in found.items()}
+
+
+def test_the_packages_modules_import_one_another_without_a_circle():
+    assert_no_circle(import_graph())
+
+
+def test_no_circle_either_counting_the_imports_made_for_annotations():
+    assert_no_circle(import_graph(annotations=True))
+
+
+def test_the_import_graph_sees_a_circle_when_there_is_one():
+    assert_no_circle({"a": {"b"}, "b": set()})
+    with pytest.raises(AssertionError, match="import circle: a -> b -> a"):
+        assert_no_circle({"a": {"b"}, "b": {"a"}})
+
+
 def test_record_in_a_rank_loads_no_launcher_code():
     loaded = subprocess.run(
         [sys.executable, "-c", "import sys; from ddp_helpers import record; "
@@ -81,37 +154,28 @@ def test_record_in_a_rank_loads_no_launcher_code():
     assert eval(loaded) == ["ddp_helpers", "ddp_helpers.recording", "ddp_helpers.run_folder"]
 
 
-def imports_anywhere(name: str, tree: ast.Module) -> set[str]:
-    """Every package module `name` imports, in functions too (TYPE_CHECKING blocks left out)."""
-    package = name.rsplit(".", 1)[0] if "." in name else ""
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            parts = package.split(".") if package else []
-            base = parts[: len(parts) - (node.level - 1)]
-            stem = ".".join([*base, *(node.module.split(".") if node.module else [])])
-            found.update({stem} if node.module else {f"{stem}.{alias.name}".lstrip(".") for alias in node.names})
-    return found
-
-
 def test_engines_sit_behind_the_seam():
-    """Only the magic (its --slurm options) knows the Slurm engine; the launcher knows the seam and the local
-    engine; the kernel's side of warm launches does not load the zygote server; the supervisor's side loads
-    nothing of the kernel's output streaming."""
-    trees = modules()
-    knows = {name: imports_anywhere(name, tree) for name, tree in trees.items()}
-    assert sorted(name for name, found in knows.items() if "slurm" in found) == ["magic"]
-    assert "slurm" not in knows["config"] and "local_engine" not in knows["config"]
-    assert "zygote" not in knows["warm"]
-    assert "output" not in knows["agents"] and "output" not in knows["supervisor"]
+    """Nothing outside the engines knows an engine but the default job's place (config, and the launcher's
+    re-exports of the local engine's stop bound and warm start); no engine imports another; the kernel's side
+    of warm launches does not load the zygote server; the supervisor's side loads nothing of the kernel's
+    output streaming."""
+    graph = import_graph(annotations=True, in_functions=True)
+    outside = {name: {imported for imported in found if imported.startswith("engines.")}
+               for name, found in graph.items() if not name.startswith("engines")}
+    assert {name: found for name, found in outside.items() if found} == {
+        "config": {"engines.local"}, "launcher": {"engines.local.engine"}, "": {"engines.local.engine"}}
+    assert not any(imported.startswith("engines.local") for imported in graph["engines.slurm"])
+    assert "engines.local.zygote" not in graph["engines.local.warm"]
+    for name in ("engines.local.agents", "engines.local.supervisor"):
+        assert "output" not in graph[name]
 
 
 def test_no_function_is_longer_than_60_lines_without_a_reason():
     """A function body (docstring left out) over 60 lines says why in a comment starting "Long on purpose"."""
     long = []
-    for name, tree in modules().items():
-        source = (PACKAGE / (name.replace(".", "/") + ".py")).read_text().splitlines()
-        for node in ast.walk(tree):
+    for name, module in modules().items():
+        source = module.path.read_text().splitlines()
+        for node in ast.walk(module.tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 body = node.body[1:] if ast.get_docstring(node) is not None else node.body
                 if body and body[-1].end_lineno - body[0].lineno + 1 > 60:

@@ -7,10 +7,10 @@ import textwrap
 
 import pytest
 
-from ddp_helpers import warm
+from ddp_helpers.engines.local import warm
 from ddp_helpers.config import default_run_dir
 from ddp_helpers.run_folder import RunFolder
-from ddp_helpers.zygote import SUPERVISOR_STOP_S
+from ddp_helpers.engines.local.zygote import SUPERVISOR_STOP_S
 from ddp_helpers.launcher import prepare_warm_launches
 from support import DAEMON_SOURCE, failure_report, run_on_cpu
 
@@ -207,7 +207,8 @@ PACKAGE_INSTALLED_LATER = textwrap.dedent(
     """
     import os, sys
     from pathlib import Path
-    from ddp_helpers import launch, make_launch_config, warm
+    from ddp_helpers import launch, make_launch_config
+    from ddp_helpers.engines.local import warm
     from ddp_helpers.config import Hardware
     from ddp_helpers.launcher import prepare_warm_launches
 
@@ -369,7 +370,7 @@ def test_a_variable_torch_sets_to_its_own_default_keeps_launches_warm():
     # every later launch went cold for nothing. A different folder still means a cold launch.
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from ddp_helpers.warm_environment import environment_mismatch
+    from ddp_helpers.engines.local.warm_environment import environment_mismatch
 
     assert environment_mismatch({}, {"TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}) is None
     assert "TORCHINDUCTOR_CACHE_DIR" in environment_mismatch({}, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/elsewhere"})
@@ -378,7 +379,7 @@ def test_a_variable_torch_sets_to_its_own_default_keeps_launches_warm():
 def test_variables_native_code_reads_at_start_up_count_even_when_no_python_code_read_them():
     # The interpreter sets its locale from LC_*/LANG, oneDNN and glog read theirs in C: the warm process
     # cannot see those reads, so the families count whatever Python code was seen reading.
-    from ddp_helpers.warm_environment import environment_mismatch
+    from ddp_helpers.engines.local.warm_environment import environment_mismatch
 
     for name in ("LC_ALL", "LANG", "ONEDNN_VERBOSE", "GLOG_minloglevel", "OMP_NUM_THREADS"):
         assert name in (environment_mismatch({}, {name: "1"}, read=set()) or ""), name
@@ -415,7 +416,7 @@ def test_a_warm_rank_reads_its_environment_at_start_up_as_a_fresh_process(write_
     assert run.ok, failure_report(run)
     assert all(s["tmpdir"] == str(tmp_path / "tmp") for s in run.facts("seen"))
     # A variable the warm process saw read while it imported its modules: that cell launches cold.
-    from ddp_helpers.warm_environment import IMPORT_TIME_ENV_PREFIXES
+    from ddp_helpers.engines.local.warm_environment import IMPORT_TIME_ENV_PREFIXES
 
     assert prepare_warm_launches()
     read = [name for name in warm._ZYGOTE.fingerprint["read_at_import"]
@@ -500,7 +501,7 @@ def test_a_stopped_warm_process_is_noticed_and_replaced(write_script, capsys):
 def test_preparing_warm_launches_replaces_a_warm_process_that_died():
     """What the tests' warm_launches fixture relies on: after an earlier test killed the warm process,
     preparing starts a new one instead of reporting it not ready."""
-    from ddp_helpers import warm
+    from ddp_helpers.engines.local import warm
     from ddp_helpers.launcher import prepare_warm_launches
 
     assert prepare_warm_launches()
@@ -515,7 +516,7 @@ FRESH_KERNEL = textwrap.dedent(
     """
     import json, sys
     from IPython.testing.globalipapp import get_ipython
-    from ddp_helpers import warm
+    from ddp_helpers.engines.local import warm
 
     shell = get_ipython()
     shell.run_line_magic("load_ext", "ddp_helpers")
@@ -567,7 +568,7 @@ KERNEL_WITH_THREADS = """
 import os, sys
 from pathlib import Path
 from ddp_helpers import run_script
-from ddp_helpers import warm
+from ddp_helpers.engines.local import warm
 from ddp_helpers.launcher import prepare_warm_launches
 from ddp_helpers.config import Hardware
 

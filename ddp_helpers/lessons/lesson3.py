@@ -150,7 +150,7 @@ def _judge_nothing_gathered_whole(run: RunResult, report: ExerciseReport) -> boo
     FSDP2 all-gathers and reduce-scatters flat, one-dimensional buffers; `full_tensor()` (a full state dict)
     and `distribute_tensor` move tensors in their own shapes: a float gather or scatter of a tensor with two
     or more dimensions, in torch's flight recorder, is a rank holding a whole tensor."""
-    from ..hang import torch_dtype_name
+    from ..flight_recorder import torch_dtype_name
 
     for r in run.ranks:
         for entry in r.collectives:

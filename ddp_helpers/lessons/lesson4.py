@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from ..exercises import ExerciseReport, rank_secrets
-from ..hang import ALL_REDUCE_OPS
+from ..flight_recorder import ALL_REDUCE_OPS
 from ..result import RunResult
 
 _STEP_DONE = re.compile(r"^step (\d+) done", flags=re.M)

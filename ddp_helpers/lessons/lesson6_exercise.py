@@ -32,7 +32,7 @@ import math
 import os
 
 from ..exercises import ExerciseReport, rank_secrets, side_channels
-from ..hang import ALL_REDUCE_OPS, torch_dtype_name
+from ..flight_recorder import ALL_REDUCE_OPS, torch_dtype_name
 from ..recording import rank_secret
 from ..result import RunResult
 

@@ -1,5 +1,5 @@
 """What the launcher asks of the supervisor, as one typed spec: the local engine writes it into the run
-folder (`RunFolder.supervisor_spec`) and starts `python -m ddp_helpers.supervisor SPEC_FILE`; the supervisor
+folder (`RunFolder.supervisor_spec`) and starts `python -m ddp_helpers.engines.local.supervisor SPEC_FILE`; the supervisor
 reads it back and turns it into torchrun's arguments for each agent. Stdlib only (a warm process and the
 supervisor both load it).
 """

@@ -20,7 +20,8 @@ import socket
 import sys
 
 # This file runs as a script (python -S .../_zygote_stub.py): its folder is sys.path[0], and the package's
-# standard-library-only modules load from there as top-level modules (run_folder only when needed).
+# standard-library-only modules load as top-level modules (`_framing` from here, `run_folder` from the
+# package's folder, only when needed).
 from _framing import receive as _read_message, send
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -76,7 +77,8 @@ def _wait_for_the_end(sock: socket.socket, worker: int) -> dict | None:
 
 def _exit_code_from_the_run_folder() -> int:
     """How the worker said it ended (the bootstrap writes its exit code last), else 1."""
-    from run_folder import RunFolder
+    sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
+    from run_folder import RunFolder  # ddp_helpers/run_folder.py, standard library only
 
     rank, folder = int(os.environ.get("RANK", "0")), RunFolder.from_environment()
     code = folder.read_exit_code(rank) if folder is not None else None

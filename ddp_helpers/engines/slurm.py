@@ -1,6 +1,7 @@
 """Running a launch as a job on a Slurm cluster: `%%torchrun --slurm --nodes 2`, or
-`launch(make_launch_config(script, cluster=SlurmJob(nodes=2)))`. `SlurmJob` is the `engine.ClusterJob` (it
-validates its own options), `SlurmEngine` the engine the launcher's loop drives.
+`launch(make_launch_config(script, job=SlurmJob(nodes=2)))`. `SlurmJob` is the `engines.Job` (it declares
+and validates its own options), `SlurmEngine` the engine the launcher's loop drives. Everything that knows
+Slurm is in this module.
 
 What happens:
 - a plain sbatch script is written next to the cell's script (`<name>.sbatch`): one torchrun agent per
@@ -13,13 +14,15 @@ What happens:
   with Slurm's own message;
 - while the job waits, the cell says so (job id, state, reason: `squeue`); once it runs, every rank's
   output streams in; at the end the RunResult is built from the run folder as for a local run, each rank
-  labelled with its node;
+  labelled with its node (the job script hands each node's agent its number and name);
+- on timeout, every rank that started is asked for its stack and what it waits in through a file on the
+  shared run folder (`_hang_probe`), so the hang report is the same as a local run's;
 - the stop button, the timeout, an error here, and the kernel's death all `scancel` the job: a small
-  guard process (`python -m ddp_helpers.slurm GUARD KERNEL_PID JOB_ID`) outlives a killed kernel to do it.
+  guard process (`python -m ddp_helpers.engines.slurm GUARD KERNEL_PID JOB_ID`) outlives a killed kernel to do it.
   Slurm then ends every process of the job on every node.
 
-Differences from a local run: no warm launch; no stack dumps on timeout (the job is cancelled); output
-is not capped; the ranks' environment is the cluster's (plus the job script's exports).
+Differences from a local run: no warm launch; output is not capped; the ranks' environment is the
+submitter's as sbatch passes it on (less its distributed settings), plus the rank contract's exports.
 """
 
 from __future__ import annotations
@@ -31,17 +34,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from dataclasses import dataclass
-
-from . import _hang_probe, hang
-from .config import DEFAULT_CPU_NPROC, LaunchConfig, default_run_dir, parse_nproc
-from .engine import ClusterJob, Ending, Engine, LaunchRequest
-from .errors import LaunchError
-from .result import NEVER_LEFT_THE_QUEUE
-from .run_folder import IMPORT_DIR_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder
-from .torch_compat import rank_environment
+from .. import _hang_probe, hang
+from ..errors import LaunchError
+from ..run_folder import AGENT_ENV, NODE_ENV, RunFolder
+from . import (DEFAULT_CPU_NPROC, RESERVED_ENV, Ending, Engine, Job, LaunchConfig, LaunchRequest, OutputPump, RankEnding,
+               option_text, parse_nproc, rank_command, register_job)
 
 MAX_SLURM_NODES = 64
 POLL_INTERVAL_S = 0.5
@@ -51,12 +51,15 @@ NEVER_STARTS = ("PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "
                 "ReqNodeNotAvail", "InvalidAccount", "InvalidQOS", "QOSMaxNodePerJobLimit",
                 "AssocMaxNodesPerJobLimit", "AssocMaxWallDurationPerJobLimit", "QOSMaxWallDurationPerJobLimit")
 CANCEL_WAIT_S = 30
+# A job cancelled before it ever ran: its final state starts with this, then " (Slurm's reason)".
+NEVER_LEFT_THE_QUEUE = "PENDING, never started"
 _QUERY_TIMEOUT_S = 20  # squeue against a controller that is down hangs about 10 s
 
 
+@register_job
 @dataclass(frozen=True)
-class SlurmJob(ClusterJob):
-    """Where and how a launch runs on a Slurm cluster: `make_launch_config(script, cluster=SlurmJob(nodes=2))`.
+class SlurmJob(Job):
+    """Where and how a launch runs on a Slurm cluster: `make_launch_config(script, job=SlurmJob(nodes=2))`.
 
     Args:
         nodes (int): machines; one torchrun agent on each, `nproc` ranks per machine.
@@ -68,17 +71,39 @@ class SlurmJob(ClusterJob):
     nproc defaults to gpus_per_node (nccl) or 2 CPU ranks (gloo) per node.
     """
 
+    label = "Slurm jobs (--slurm)"
+
     nodes: int = 1
     partition: str | None = None
     time: str | None = None
     gpus_per_node: int | None = None
     sbatch_args: tuple[str, ...] = ()
 
+    @classmethod
+    def add_arguments(cls, options) -> None:
+        options.add_argument("--slurm", action="store_true",
+                             help="submit the cell as a job to the Slurm cluster this machine is a login node of "
+                                  "(sbatch), on --nodes machines; the run folder must be on a file system the "
+                                  "nodes share")
+        options.add_argument("--nodes", default=1, type=int,
+                             help="with --slurm: machines, one torchrun agent each (default 1)")
+        options.add_argument("--partition", default=None, help="with --slurm: the partition (default: the cluster's)")
+        options.add_argument("--time", default=None, help="with --slurm: the job's time limit, e.g. 00:10:00")
+        options.add_argument("--gpus-per-node", default=None, type=int,
+                             help="with --slurm: GPUs per machine; the ranks then use nccl, one GPU each")
+        options.add_argument("--sbatch-args", default=None,
+                             help="with --slurm: more sbatch options, quoted, e.g. --sbatch-args '--account=ml "
+                                  "--mem=8G'")
+
+    @classmethod
+    def from_arguments(cls, args) -> SlurmJob | None:
+        if not args.slurm:
+            return None
+        return cls(nodes=args.nodes, partition=args.partition, time=args.time, gpus_per_node=args.gpus_per_node,
+                   sbatch_args=tuple(shlex.split(option_text(args.sbatch_args) or "")))
+
     def launch_config(self, request: LaunchRequest) -> LaunchConfig:
         """A launch on a Slurm cluster: validated against the job's options, not this machine's hardware."""
-        for option in request.local_options:
-            raise LaunchError(f"{option} is for runs on this machine; on Slurm the job's nodes are slurm.nodes "
-                              "(magic: --nodes).")
         self._check()
         gpus = self.gpus_per_node
         backend = request.backend or ("nccl" if gpus else "gloo")  # a named backend was checked already
@@ -89,13 +114,8 @@ class SlurmJob(ClusterJob):
         if backend == "nccl" and nproc > gpus:
             raise LaunchError(f"{nproc} ranks per node but {gpus} GPU(s) per node: with nccl each rank needs its own "
                               "GPU.")
-        return LaunchConfig(
-            script=request.script, ranks_per_agent=nproc, backend=backend, timeout_s=request.timeout_s,
-            run_dir=request.run_dir or default_run_dir(request.script), extra_env=request.extra_env,
-            script_args=request.script_args, stream=request.stream, cwd=request.cwd, warm=False,
-            max_restarts=request.max_restarts, nnodes=self.nodes,
-            cluster=SlurmJob(self.nodes, self.partition, self.time, gpus, tuple(self.sbatch_args)),
-        )
+        checked = SlurmJob(self.nodes, self.partition, self.time, gpus, tuple(self.sbatch_args))
+        return request.config(checked, ranks_per_agent=nproc, backend=backend, nnodes=self.nodes)
 
     def _check(self) -> None:
         nodes, gpus = self.nodes, self.gpus_per_node
@@ -122,23 +142,20 @@ def job_script_path(config: LaunchConfig) -> Path:
 
 
 def job_script(config: LaunchConfig, run_id: str) -> str:
-    """The sbatch script for `config` (a plain one: `sbatch` it by hand and it runs the same job)."""
-    job = config.cluster
+    """The sbatch script for `config` (a plain one: `sbatch` it by hand and it runs the same job). The ranks
+    get the rank contract (`engines.rank_command`) as exports, on top of the environment sbatch passes on
+    from the submitter, less its distributed settings."""
+    job = config.job
     python = shlex.quote(sys.executable)
-    project = shlex.quote(str(Path(__file__).resolve().parent.parent))
+    # A timed-out job's ranks are asked what they wait in through the shared folder, not a named pipe.
+    command = rank_command(config, run_id, {_hang_probe.REQUESTS_ENV: "file"})
     options = [f"--job-name=ddp-{config.script.stem}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
-               f"--output={RunFolder(config.run_dir).slurm_log()}"]
+               f"--output={RunFolder(config.run_dir).job_log()}"]
     options += [f"--partition={job.partition}"] * bool(job.partition) + [f"--time={job.time}"] * bool(job.time)
     options += [f"--gpus-per-node={job.gpus_per_node}"] * bool(job.gpus_per_node) + list(job.sbatch_args)
-    exports = {RUN_DIR_ENV: str(config.run_dir), RUN_ID_ENV: run_id, "PYTHONUNBUFFERED": "1",
-               _hang_probe.REQUESTS_ENV: "file",  # a timed-out job's ranks are asked through the shared folder
-               **({IMPORT_DIR_ENV: str(config.import_dir)} if config.import_dir else {}),
-               # restarts (--max-restarts) reconnect only without the agent's shared store (torch 2.13)
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-               # the flight recorder on, whatever the torch (sbatch passes the submitter's environment on)
-               **{key: value for key, value in rank_environment().items() if key not in os.environ},
-               **config.extra_env}
-    worker = " ".join(shlex.quote(a) for a in ("-m", "ddp_helpers._bootstrap", str(config.script), *config.script_args))
+    worker = " ".join(shlex.quote(a) for a in command.argv)
+    # Each node's agent says which node its ranks run on (Slurm's numbering and the node's name).
+    per_node = f"export {AGENT_ENV}=$SLURM_NODEID {NODE_ENV}=$SLURMD_NODENAME; exec \"$@\""
     lines = [
         "#!/bin/bash",
         f"# Generated by ddp_helpers for {config.script.name}: the job a %%torchrun --slurm cell submits.",
@@ -147,8 +164,10 @@ def job_script(config: LaunchConfig, run_id: str) -> str:
         "# must be on a file system every node sees.",
         *(f"#SBATCH {option}" for option in options),
         "set -euo pipefail",
-        *(f"export {name}={shlex.quote(value)}" for name, value in exports.items()),
-        f'export PYTHONPATH={project}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+        f"unset {' '.join(RESERVED_ENV)}",
+        *(f"export {name}=\"${{{name}:-{_double_quoted(value)}}}\"" for name, value in command.defaults.items()),
+        *(f"export {name}={shlex.quote(value)}" for name, value in command.env.items()),
+        f'export PYTHONPATH={shlex.quote(command.python_path)}"${{PYTHONPATH:+:$PYTHONPATH}}"',
         "",
         "# The first node hosts the rendezvous: its address (node names need not resolve), and a free port there",
         "# (this script runs on the first node).",
@@ -157,7 +176,8 @@ def job_script(config: LaunchConfig, run_id: str) -> str:
         f"port=$({python} -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
         f"cd {shlex.quote(str(config.working_dir))}",
         "",
-        f"srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 {python} -m torch.distributed.run \\",
+        f"srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(per_node)} node \\",
+        f"    {python} -m torch.distributed.run \\",
         f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {config.ranks_per_agent} \\",
         '    --rdzv-backend c10d --rdzv-endpoint "$head_address:$port" --rdzv-id "$SLURM_JOB_ID" \\',
         f"    --max-restarts {config.max_restarts} \\",
@@ -165,6 +185,11 @@ def job_script(config: LaunchConfig, run_id: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _double_quoted(value: str) -> str:
+    """`value` for the inside of a shell's double quotes."""
+    return re.sub(r'([\\"$`])', r"\\\1", value)
 
 
 def cluster_reachable(timeout_s: float = 5) -> bool:
@@ -238,7 +263,7 @@ class SlurmEngine(Engine):
         path = job_script_path(self.config)
         path.write_text(job_script(self.config, run_id))
         self.job_id = submit(path)
-        self._guard = subprocess.Popen([sys.executable, "-m", "ddp_helpers.slurm", "GUARD", str(os.getpid()),
+        self._guard = subprocess.Popen([sys.executable, "-m", __name__, "GUARD", str(os.getpid()),
                                         self.job_id], stdin=subprocess.DEVNULL, start_new_session=True)
 
     def running(self) -> bool:
@@ -258,7 +283,7 @@ class SlurmEngine(Engine):
         self._queued = "" if state != "PENDING" else f"{NEVER_LEFT_THE_QUEUE} ({detail})" if waits else NEVER_LEFT_THE_QUEUE
         return True
 
-    def on_timeout(self, streamer) -> None:
+    def on_timeout(self, output: OutputPump) -> None:
         """Ask every rank that started for its stacks and what it waits in (files on the shared run folder: a
         thread of each rank answers, `_hang_probe`), wait for the answers, then let the job be cancelled."""
         started = [rank for rank in range(self.config.world_size) if self.folder.read_identity(rank) is not None]
@@ -268,7 +293,7 @@ class SlurmEngine(Engine):
         # A rank looks for the request every PREPARE_POLL_S, and the shared file system may be slower still.
         until = time.monotonic() + hang.ANSWER_WAIT_S + 1
         while asked and time.monotonic() < until and not all(self.folder.hang_answered(rank) for rank in asked):
-            streamer.poll()
+            output.poll()
             time.sleep(0.05)
 
     def stop(self) -> None:
@@ -280,16 +305,23 @@ class SlurmEngine(Engine):
             self._guard.wait()
 
     def ending(self) -> Ending:
+        state = self._final or self._queued or "CANCELLED"
+        waited = (f"Slurm job {self.job_id} was still waiting in the queue{self._queued[len(NEVER_LEFT_THE_QUEUE):]}"
+                  if self._queued else "")
         return Ending(
-            returncode=0 if self._final == "COMPLETED" else 1,
-            launcher_log=self.folder.read_text(self.folder.slurm_log(self.job_id)) if self.job_id else "",
-            job_state=self._final or self._queued or "CANCELLED", job_id=self.job_id,
+            # How each rank said it ended, as it ended (None: it never said: cancelled, or never started).
+            ranks=tuple(RankEnding(self.folder.read_exit_code(rank)) for rank in range(self.config.world_size)),
+            succeeded=self._final == "COMPLETED",
+            state="ended" if self._final else "pending" if self._queued else "running", reason=state,
+            where=f"on {self.config.nnodes} Slurm node(s), job {self.job_id} {state}", never_started=waited,
+            launcher_log=self.folder.read_text(self.folder.job_log(self.job_id)) if self.job_id else "",
+            job_id=self.job_id,
         )
 
 
 def _guard(kernel_pid: int, job_id: str) -> int:
     """Cancels the job if the kernel dies before the job ends; the launcher kills this process otherwise."""
-    from .processes import ARM_PARENT_DEATH_FAILED, arm_parent_death_signal
+    from ..processes import ARM_PARENT_DEATH_FAILED, arm_parent_death_signal
 
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
@@ -304,4 +336,4 @@ def _guard(kernel_pid: int, job_id: str) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "GUARD":
         sys.exit(_guard(int(sys.argv[2]), sys.argv[3]))
-    sys.exit("usage: python -m ddp_helpers.slurm GUARD KERNEL_PID JOB_ID")
+    sys.exit("usage: python -m ddp_helpers.engines.slurm GUARD KERNEL_PID JOB_ID")

@@ -1,7 +1,7 @@
-"""The local engine: torchrun agents on this machine, started through `ddp_helpers.supervisor`.
+"""The local engine: torchrun agents on this machine, started through `ddp_helpers.engines.local.supervisor`.
 
 How: the engine writes a `SupervisorSpec` into the run folder and starts the supervisor, cold (a fresh
-`python -m ddp_helpers.supervisor SPEC_FILE`) or warm (forked by the zygote, which has torch imported:
+`python -m ddp_helpers.engines.local.supervisor SPEC_FILE`) or warm (forked by the zygote, which has torch imported:
 `warm.py`). The supervisor runs torchrun's agent (a c10d rendezvous on a store it hosts on loopback and a
 port the OS picks, so launches never collide and nothing listens beyond this machine) with the caller's
 own interpreter, so the ranks see the same packages as the notebook. Each rank runs the script through
@@ -31,20 +31,20 @@ import sys
 import time
 from pathlib import Path
 
-from . import hang, warm
-from .config import LaunchConfig, inherited_environment
-from .engine import Ending, Engine
-from .output import RankOutputStreamer
-from .processes import kill_marked, kill_process_groups, process_is_dead, run_despite_interrupts, stop_process_group
-from .run_folder import IMPORT_DIR_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder
+from ... import hang
+from ...processes import kill_marked, kill_process_groups, process_is_dead, run_despite_interrupts, stop_process_group
+from ...run_folder import LOOPBACK_ENV, RUN_DIR_ENV, RUN_ID_ENV, KillRequest, RankIdentity, RunFolder
+from ...text_in_file import TextInFile
+from .. import Ending, Engine, LaunchConfig, OutputPump, RankEnding, rank_command
+from . import warm
 from .supervisor_spec import SupervisorSpec
-from .text_in_file import TextInFile
-from .torch_compat import rank_environment
 from .warm import WarmProcess, WarmRefused, current_umask, warm_zygote, what_happened_to_the_warm_process
 
 _STUB = str(Path(__file__).resolve().parent / "_zygote_stub.py")
 # Variables that differ from launch to launch: not part of the warm process's environment.
 RUN_ENV_KEYS = (RUN_DIR_ENV, RUN_ID_ENV)
+# Every rank of a run here is on this machine: gloo's and nccl's sockets, and the stores, on loopback only.
+ON_THIS_MACHINE = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", LOOPBACK_ENV: "1"}
 
 # The ranks get this long to end after SIGTERM (torchrun's --shutdown-timeout), then SIGKILL.
 SHUTDOWN_GRACE_S = 3
@@ -58,32 +58,9 @@ _WAIT_STEP_S = 0.05
 
 
 def child_environment(config: LaunchConfig, run_id: str, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment the supervisor and the ranks get: the caller's, minus any distributed settings it
-    inherited, plus `config.extra_env`, plus the run's markers and loopback-only sockets."""
-    env = inherited_environment(base)
-    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun sets 1 thread per rank anyway (and warns)
-    env["MPLBACKEND"] = "Agg"  # ranks have no display; the kernel's inline backend would drag IPython in
-    if config.max_restarts or config.nnodes > 1:
-        # Without it the agent's shared store keeps the dead ranks' addresses and restarts fail to connect
-        # (pytorch issues 135712, 167288): 7 of 10 restarts failed here, 0 of 12 with it. Agents joining
-        # or leaving a rendezvous need it too.
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    for key, value in rank_environment().items():  # the flight recorder on, whatever the torch (torch_compat)
-        env.setdefault(key, value)
-    env.update(config.extra_env)
-    package_parent = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
-    env.update(
-        {
-            RUN_DIR_ENV: str(config.run_dir),
-            RUN_ID_ENV: run_id,
-            **({IMPORT_DIR_ENV: str(config.import_dir)} if config.import_dir else {}),
-            "PYTHONUNBUFFERED": "1",
-            "GLOO_SOCKET_IFNAME": "lo",
-            "NCCL_SOCKET_IFNAME": "lo",
-        }
-    )
-    return env
+    """The environment the supervisor and the ranks get: the rank contract (`engines.rank_command`) on top
+    of the caller's environment, with every socket and store of the run on loopback."""
+    return rank_command(config, run_id, ON_THIS_MACHINE).environment(base)
 
 
 def agent_gpus(config: LaunchConfig, env: dict[str, str]) -> tuple[str, ...] | None:
@@ -100,13 +77,13 @@ def supervisor_spec(config: LaunchConfig, folder: RunFolder, run_id: str, parent
                     zygote_socket: str | None = None) -> SupervisorSpec:
     """The supervisor's spec for `config`. With a zygote, torchrun starts each worker through `_zygote_stub`
     (no torch import), which has the zygote fork it."""
-    worker = ["-m", "ddp_helpers._bootstrap", str(config.script), *config.script_args]
+    worker = list(rank_command(config, run_id).argv)
     if zygote_socket is not None:
         worker = ["--no-python", sys.executable, "-S", "-u", _STUB, zygote_socket, *worker]
     return SupervisorSpec(
         parent_pid=parent_pid, run_id=run_id, shutdown_grace_s=SHUTDOWN_GRACE_S, nnodes=config.nnodes,
         ranks_per_agent=config.ranks_per_agent, max_restarts=config.max_restarts, worker=tuple(worker),
-        log_dir=str(folder.torchrun_log_dir), join_after=config.join_after, agent_gpus=agent_gpus(config, env),
+        log_dir=str(folder.torchrun_log_dir), join_after=config.job.join_after, agent_gpus=agent_gpus(config, env),
     )
 
 
@@ -118,20 +95,21 @@ class LocalEngine(Engine):
         self.run_id = ""
         self.process: subprocess.Popen | WarmProcess | None = None
         self._log = None
-        self._killer = RankKiller(config, folder) if config.kill_rank is not None else None
+        self._killer = RankKiller(config, folder) if config.job.kill_rank is not None else None
 
     def start(self, run_id: str) -> None:
         self.run_id = run_id
         self._log = open(self.folder.torchrun_log, "wb")
-        if self.config.kill_rank is not None:  # read by the rank itself (_bootstrap): see RankKiller
-            self.folder.write_json(self.folder.kill_request, {"rank": self.config.kill_rank, "text": self.config.kill_after})
+        job = self.config.job
+        if job.kill_rank is not None:  # read by the rank itself (_bootstrap): see RankKiller
+            self.folder.write_kill_request(KillRequest(rank=job.kill_rank, text=job.kill_after))
         self.process = self._start_supervisor(child_environment(self.config, run_id))
 
     def _start_supervisor(self, env: dict[str, str]) -> subprocess.Popen | WarmProcess:
         """Fork the supervisor from the zygote when the launch can be warm; else start a fresh interpreter."""
         config, folder = self.config, self.folder
         zygote = None
-        if config.warm:
+        if config.job.warm:
             without_cell_env = child_environment(dataclasses.replace(config, extra_env={}), self.run_id)
             zygote = warm_zygote(env, RUN_ENV_KEYS, without_cell_env)
         if zygote is not None:
@@ -151,7 +129,7 @@ class LocalEngine(Engine):
                         zygote.note(f"the warm process could not start the run ({error})")
         supervisor_spec(config, folder, self.run_id, os.getpid(), env).write(folder.supervisor_spec)
         return subprocess.Popen(
-            [sys.executable, "-m", "ddp_helpers.supervisor", str(folder.supervisor_spec)],
+            [sys.executable, "-m", "ddp_helpers.engines.local.supervisor", str(folder.supervisor_spec)],
             env=env,
             cwd=config.working_dir,
             stdin=subprocess.DEVNULL,
@@ -165,8 +143,8 @@ class LocalEngine(Engine):
             self._killer.poll()
         return self.process.poll() is None
 
-    def on_timeout(self, streamer: RankOutputStreamer) -> None:
-        dump_stacks_of_live_ranks(self.config, self.folder, streamer)
+    def on_timeout(self, output: OutputPump) -> None:
+        dump_stacks_of_live_ranks(self.config, self.folder, output)
 
     def stop(self) -> None:
         """Bounded by STOP_BOUND_S; pressing stop again meanwhile does not cut it short."""
@@ -192,21 +170,56 @@ class LocalEngine(Engine):
             if note:
                 print(f"[ddp_helpers] {note}", file=sys.stderr, flush=True)
             if process.unreported:  # the supervisor's exit code was lost with the warm process: it is its outcome's
-                returncode = 0 if (self.folder.read_outcome() or {}).get("succeeded") else 1
-        return Ending(returncode)
+                returncode = None
+        outcome = self.folder.read_outcome() or {}
+        succeeded = returncode == 0 if returncode is not None else outcome.get("succeeded") is True
+        nnodes = self.config.nnodes
+        return Ending(ranks=rank_endings(self.config, self.folder, outcome), succeeded=succeeded,
+                      where=f"on {nnodes} agents" if nnodes > 1 else "",
+                      launcher_log=self.folder.read_text(self.folder.torchrun_log))
+
+
+def rank_endings(config: LaunchConfig, folder: RunFolder, outcome: dict) -> tuple[RankEnding, ...]:
+    """How each rank ended: as its torchrun agent saw it (the supervisor's `outcome`: its per-rank failures,
+    negative for a signal), else as the rank wrote it as it ended, else unknown (None). An elastic run has
+    as many ranks as its world grew to (agents that never joined left none)."""
+    # A rank that never started wrote no identity: its world size is unknown.
+    identities = [folder.read_identity(rank) for rank in range(config.world_size)]
+    world_size = config.world_size
+    if config.job.join_after:
+        world_size = max([identity.world_size for identity in identities if identity] + [config.ranks_per_agent])
+    failures = {int(rank): seen for rank, seen in (outcome.get("failures") or {}).items()}
+    died_at = {int(rank): t for rank, t in (outcome.get("died_at") or {}).items()}
+    return tuple(RankEnding(_exit_code(folder, rank, identities[rank], outcome, failures.get(rank)), died_at.get(rank))
+                 for rank in range(world_size))
+
+
+def _exit_code(folder: RunFolder, rank: int, identity: RankIdentity | None, outcome: dict,
+               seen: dict | None) -> int | None:
+    """How `rank` ended: as its agent saw it (`outcome`), else as the rank wrote it, else unknown (None)."""
+    if outcome.get("succeeded") is True:
+        return 0
+    if seen is not None:
+        return seen.get("exit_code")
+    if "failures" in outcome and identity is not None and identity.agent in outcome.get("unfinished_agents", ()):
+        # Its agent was stopped before it could say: finished if the rank wrote how it ended, else stopped.
+        return folder.read_exit_code(rank)
+    if "failures" in outcome:
+        return 0  # the agent listed every rank that failed; this one was not among them
+    return None
 
 
 class RankKiller:
-    """SIGKILLs `config.kill_rank` once, as soon as its first attempt has printed `config.kill_after`, and
+    """SIGKILLs `config.job.kill_rank` once, as soon as its first attempt has printed `config.job.kill_after`, and
     says so. The rank kills itself first, at the end of that line (`_bootstrap`, from the folder's
     kill_request): watching its output from here comes later, by then the rank may be a step further
     (a step whose all-reduce its peers finished but which it never reported), and a demo that kills
     "after step 5" would not be the same run twice."""
 
     def __init__(self, config: LaunchConfig, folder: RunFolder):
-        self._rank, self._text, self._folder = config.kill_rank, config.kill_after, folder
+        self._rank, self._text, self._folder = config.job.kill_rank, config.job.kill_after, folder
         # Both streams, whatever wrote to them: print, logging (stderr), sys.stdout.buffer, a subprocess.
-        self._printed = [TextInFile(folder.output(config.kill_rank, stream), config.kill_after)
+        self._printed = [TextInFile(folder.output(self._rank, stream), self._text)
                          for stream in ("stdout", "stderr")]
         self.done = False
 
@@ -232,8 +245,8 @@ class RankKiller:
                   "killed (--kill-after).", file=sys.stderr, flush=True)
 
 
-def dump_stacks_of_live_ranks(config: LaunchConfig, folder: RunFolder, streamer: RankOutputStreamer) -> None:
-    """Ask every live rank for its stacks (rankN.stack) and what it waits in (rankN.hang.json), which a thread
+def dump_stacks_of_live_ranks(config: LaunchConfig, folder: RunFolder, streamer: OutputPump) -> None:
+    """Ask every live rank for its stacks (its stack file) and what it waits in (its hang answer), which a thread
     of the rank writes; a rank that wrote no stack by HANG_REPORT_WAIT_S gets SIGUSR1 (faulthandler's dump),
     and the wait goes on until each such dump is written (it stops growing), at most STACK_DUMP_WAIT_S."""
     print(
@@ -283,5 +296,5 @@ def prepare_warm_launches(timeout_s: float | None = 60) -> bool:
     """Start the warm process now and wait until it is ready (otherwise the first launch of a process
     starts it and waits for it). Returns True when it is ready. `timeout_s=None`: start it in the
     background and return at once (`%load_ext ddp_helpers` does, so that it is ready by the first cell)."""
-    defaults = LaunchConfig(Path(__file__), 1, "gloo", 1.0, Path(os.sep))
+    defaults = LaunchConfig(Path(__file__), 1, "gloo", 1.0, Path(os.sep))  # the run's own values left out
     return warm.prepare_warm_launches(child_environment(defaults, ""), RUN_ENV_KEYS, timeout_s)

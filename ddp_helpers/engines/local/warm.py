@@ -196,7 +196,7 @@ class ZygoteHandle:
         self.env = dict(env)
         with open(os.path.join(folder, "zygote.log"), "wb") as log:
             process = _popen_from_a_lasting_thread(
-                [sys.executable, "-m", "ddp_helpers.zygote", str(os.getpid()), folder],
+                [sys.executable, "-m", "ddp_helpers.engines.local.zygote", str(os.getpid()), folder],
                 env=self.env, cwd=folder, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # the stop button's SIGINT is for the kernel
             )

@@ -3,7 +3,7 @@ supervisor's own process (`run_torchrun`), the others (`--nnodes N`, each standi
 processes forked from it (`OtherAgents`), all meeting through a c10d rendezvous on a store the
 supervisor hosts. An agent that fails stops the run at once; with `join_after` (elastic membership) the
 others start only once rank 0 has printed a given text (`JoinWhenSeen`). Each further agent writes
-`agentK.outcome.json`; `merge_outcomes` makes one outcome of them.
+its own outcome (`RunFolder.write_outcome(outcome, agent)`); `merge_outcomes` makes one outcome of them.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import threading
 import time
 import traceback
 
-from .text_in_file import TextInFile
-from .processes import ARM_PARENT_DEATH_FAILED, arm_parent_death_signal
-from .run_folder import AGENT_ENV, AGENT_PID_ENV, RunFolder
+from ...text_in_file import TextInFile
+from ...processes import ARM_PARENT_DEATH_FAILED, arm_parent_death_signal
+from ...run_folder import AGENT_ENV, AGENT_PID_ENV, RunFolder
 from .supervisor_spec import SupervisorSpec
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

@@ -1,24 +1,24 @@
 """The process between the notebook's kernel and the ranks:
 
-    python -m ddp_helpers.supervisor SPEC_FILE
+    python -m ddp_helpers.engines.local.supervisor SPEC_FILE
 
-(the spec, a `SupervisorSpec`, is written into the run folder by the local engine, `local_engine.py`).
+(the spec, a `SupervisorSpec`, is written into the run folder by the local engine, `engine.py`).
 
 It runs the torchrun agent in this very process (so the agent's own per-rank failures, exit codes
 included, are read as objects, not parsed from its printed summary), and around it:
 - caps each rank's output: ranks write into named pipes, a thread keeps the first and last
-  `OUTPUT_KEEP_BYTES` of each stream in `rankN.stdout|stderr` (a rank printing forever costs neither
+  `OUTPUT_KEEP_BYTES` of each stream in its output file (a rank printing forever costs neither
   memory nor disk);
 - watches when each rank dies (so the rank that failed first is known even when a signal killed it);
 - however the launch ends (success, a failed rank, SIGTERM from the launcher, the kernel's death),
   stops every process of the run before it exits: the agent stops the workers (SIGTERM, then SIGKILL
   after SHUTDOWN_GRACE_S), then every process still carrying the run's marker is killed (a rank's own
-  children: DataLoader workers, subprocesses); then it writes `outcome.json`.
+  children: DataLoader workers, subprocesses); then it writes the run's outcome (`RunFolder.write_outcome`).
 
 Several agents (`--nnodes N`, each standing for a machine, all on loopback): this process hosts the
 rendezvous store (a TCPStore on loopback, on a port the OS picks; the rendezvous state in it is signed with
 a key only this process and its forks hold, `store_guard`), forks agents 1 .. N-1 (each dies with this one,
-and writes `agentK.outcome.json`), runs agent 0 itself, and they meet through
+and writes its own outcome), runs agent 0 itself, and they meet through
 torchrun's c10d rendezvous on that store. Output pipes, death watch and the final sweep cover every
 rank of the world. Each rank learns its agent from DDP_HELPERS_AGENT (and, on GPUs, each agent gets its
 own GPUs: the spec's `agent_gpus`).
@@ -43,11 +43,11 @@ import traceback
 from pathlib import Path
 
 from .agents import STOP_SIGNALS, JoinWhenSeen, OtherAgents, Stopped, merge_outcomes, raise_stopped, run_agent
-from .processes import (
+from ...processes import (
     ARM_PARENT_DEATH_FAILED, arm_parent_death_signal, kill_marked, kill_process_groups, process_is_dead,
 )
-from .run_folder import OUTPUT_KEEP_BYTES, RUN_ID_ENV, RunFolder
-from .store_guard import keep_stores_on_loopback, loopback_store, sign_rendezvous_state
+from ...run_folder import OUTPUT_KEEP_BYTES, RUN_ID_ENV, RunFolder
+from ...store_guard import keep_stores_on_loopback, loopback_store, sign_rendezvous_state
 from .supervisor_spec import SupervisorSpec
 
 
@@ -185,7 +185,7 @@ class SupervisedRun:
         self._own_store = None
 
     def run(self) -> dict:
-        """Run the launch to its end, stop everything of it, write `outcome.json`; return the outcome."""
+        """Run the launch to its end, stop everything of it, write its outcome; return the outcome."""
         outcome: dict = {"succeeded": False}
         try:
             outcome = self._run_agents()
@@ -257,7 +257,8 @@ def main(argv: list[str]) -> int:
     for signum in STOP_SIGNALS:
         signal.signal(signum, raise_stopped)
     if len(argv) != 1:
-        print("usage: python -m ddp_helpers.supervisor SPEC_FILE (a supervisor spec in a run folder)", file=sys.stderr)
+        print("usage: python -m ddp_helpers.engines.local.supervisor SPEC_FILE (a supervisor spec in a run folder)",
+              file=sys.stderr)
         return 2
     spec = SupervisorSpec.read(argv[0])
     # The kernel's death reaches us as SIGTERM: we stop the run, then exit.

@@ -2,7 +2,7 @@
 every rank of a launch, so a `%%torchrun` cell does not wait ~1.3 s per process for `import torch`
 (and ~1.2 s more for torch._dynamo, which DDP and the first optimizer import).
 
-    python -m ddp_helpers.zygote KERNEL_PID SOCKET_DIR
+    python -m ddp_helpers.engines.local.zygote KERNEL_PID SOCKET_DIR
 
 Each forked child is still a fresh process for the script: its own session, the environment,
 working directory, arguments and file descriptors 0/1/2 of the process that asked for it (the
@@ -48,8 +48,8 @@ import tempfile
 import time
 
 from . import _framing
-from .processes import process_name_for, set_process_name
-from .run_folder import AGENT_PID_ENV, RUN_ID_ENV
+from ...processes import process_name_for, set_process_name
+from ...run_folder import AGENT_PID_ENV, RUN_ID_ENV
 from .warm_environment import installed_fingerprint
 
 # How long a client may take to send its (small) request: the zygote serves one at a time, and the
@@ -91,7 +91,8 @@ def _preimport() -> None:
     import torch.nn.parallel  # noqa: F401
     import torch.utils.data  # noqa: F401
 
-    from . import _bootstrap, recording, supervisor  # noqa: F401
+    from ... import _bootstrap, recording  # noqa: F401
+    from . import supervisor  # noqa: F401
 
     # The first optimizer pulls in the rest of torch._dynamo's lazy imports; it computes nothing.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
@@ -180,7 +181,7 @@ def _become_child(request: dict, fds: list[int], go: int) -> None:
 
             code = supervisor.main(request["argv"])
         else:
-            from . import _bootstrap
+            from ... import _bootstrap
 
             argv = request["argv"]  # ["-m", "ddp_helpers._bootstrap", SCRIPT, ARGS...]
             sys.argv = ["-m", *argv[2:]]
@@ -377,7 +378,7 @@ class ZygoteServer:
 
 def main(argv: list[str]) -> int:
     kernel_pid, folder = int(argv[0]), argv[1]
-    from .processes import ARM_PARENT_DEATH_FAILED, arm_parent_death_signal
+    from ...processes import ARM_PARENT_DEATH_FAILED, arm_parent_death_signal
 
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)

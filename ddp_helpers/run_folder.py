@@ -65,7 +65,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 
@@ -121,6 +121,44 @@ class RankIdentity:
     attempt: int = 1  # how many times the rank has started in this launch
     world_size: int = 1
     node: str | None = None
+
+
+@dataclass(frozen=True)
+class AgentOutcome:
+    """How torchrun's agents saw a run end (`outcome.json`, the supervisor's merged view; each further
+    agent writes its own, `agentK.outcome.json`).
+
+    Args:
+        succeeded (bool): every rank finished well.
+        failures (dict[int, int] | None): each failed rank's exit code as its agent saw it (negative: the
+            signal that killed it); None when no agent could say (stopped, or broken, before its torchrun
+            returned).
+        unfinished_agents (tuple[int, ...]): agents stopped before they could say how their ranks ended:
+            those ranks are among neither the failures nor the finished.
+        died_at (dict[int, float]): when the supervisor saw each rank dead (time.time()).
+        stopped_by (str): the signal or the reason that stopped the agents, if they were stopped.
+        agent_error (str): an agent's own failure, if one broke.
+    """
+
+    succeeded: bool
+    failures: dict[int, int] | None = None
+    unfinished_agents: tuple[int, ...] = ()
+    died_at: dict[int, float] = field(default_factory=dict)
+    stopped_by: str = ""
+    agent_error: str = ""
+
+    @classmethod
+    def from_json(cls, value: dict | None) -> AgentOutcome | None:
+        outcome = _from_json(cls, value)
+        if outcome is None:
+            return None
+        try:  # JSON keys are strings
+            failures = None if outcome.failures is None else {int(r): int(c) for r, c in outcome.failures.items()}
+            return replace(outcome, failures=failures, unfinished_agents=tuple(map(int, outcome.unfinished_agents)),
+                           died_at={int(r): float(t) for r, t in outcome.died_at.items()},
+                           succeeded=outcome.succeeded is True)
+        except (AttributeError, TypeError, ValueError):
+            return None
 
 
 @dataclass(frozen=True)
@@ -360,10 +398,10 @@ class RunFolder:
             if stack.is_file() and stack.stat().st_size == 0:
                 stack.unlink()
 
-    def write_outcome(self, outcome: dict, agent: int | None = None) -> None:
+    def write_outcome(self, outcome: AgentOutcome, agent: int | None = None) -> None:
         """How the ranks ended as a torchrun agent saw them: the run's (agent None, the supervisor's
         merged view) or one further agent's."""
-        self.write_json(self._outcome_file(agent), outcome)
+        self.write_json(self._outcome_file(agent), asdict(outcome))
 
     def _outcome_file(self, agent: int | None) -> Path:
         return self.path / ("outcome.json" if agent is None else f"agent{agent}.outcome.json")
@@ -512,5 +550,5 @@ class RunFolder:
     def hang_answered(self, rank: int) -> bool:
         return self._rank_file(rank, "hang.json").exists()
 
-    def read_outcome(self, agent: int | None = None) -> dict | None:
-        return self.read_own_json(self._outcome_file(agent))
+    def read_outcome(self, agent: int | None = None) -> AgentOutcome | None:
+        return AgentOutcome.from_json(self.read_own_json(self._outcome_file(agent)))

@@ -12,6 +12,32 @@ import socket
 import struct
 
 _HEADER = struct.Struct("!I")
+ROLES = ("supervisor", "worker")
+
+
+class ForkRequest:
+    """What a client asks the zygote to fork, as one message: a run's supervisor (from `warm`) or a rank
+    (from `_zygote_stub`), with the environment, working directory, arguments and umask it would have had as
+    a fresh process. (A plain class: the stub imports nothing it can do without, dataclasses included.)"""
+
+    __slots__ = ("role", "argv", "env", "cwd", "umask")
+
+    def __init__(self, role: str, argv: list[str], env: dict[str, str], cwd: str, umask: int):
+        self.role, self.argv, self.env, self.cwd, self.umask = role, list(argv), dict(env), cwd, umask
+
+    def to_message(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    @classmethod
+    def from_message(cls, message: object) -> ForkRequest:
+        """The request a message holds; ValueError if it is not one."""
+        if not isinstance(message, dict) or set(message) != set(cls.__slots__) or message["role"] not in ROLES:
+            raise ValueError("not a fork request")
+        if not (isinstance(message["argv"], list) and all(isinstance(a, str) for a in message["argv"])
+                and isinstance(message["env"], dict) and isinstance(message["cwd"], str)
+                and isinstance(message["umask"], int)):
+            raise ValueError("a fork request of the wrong shape")
+        return cls(**message)
 
 
 def encode(message: dict) -> bytes:

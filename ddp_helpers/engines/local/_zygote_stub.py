@@ -22,7 +22,7 @@ import sys
 # This file runs as a script (python -S .../_zygote_stub.py): its folder is sys.path[0], and the package's
 # standard-library-only modules load as top-level modules (`_framing` from here, `run_folder` from the
 # package's folder, only when needed).
-from _framing import receive as _read_message, send
+from _framing import ForkRequest, receive as _read_message, send
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # The zygote answers a fork request in milliseconds; one that does not answer in this time is stopped
@@ -98,7 +98,7 @@ def _run_cold(cold_argv: list[str]) -> None:
 def main() -> None:
     _arm_parent_death()
     socket_path, cold_argv = sys.argv[1], sys.argv[2:]
-    request = {"role": "worker", "argv": cold_argv, "env": dict(os.environ), "cwd": os.getcwd(), "umask": _umask()}
+    request = ForkRequest("worker", cold_argv, dict(os.environ), os.getcwd(), _umask()).to_message()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(ANSWER_TIMEOUT_S)
     try:

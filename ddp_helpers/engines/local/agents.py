@@ -18,7 +18,7 @@ import traceback
 
 from ...text_in_file import TextInFile
 from ...processes import ARM_PARENT_DEATH_FAILED, arm_parent_death_signal
-from ...run_folder import AGENT_ENV, AGENT_PID_ENV, RunFolder
+from ...run_folder import AGENT_ENV, AGENT_PID_ENV, AgentOutcome, RunFolder
 from .supervisor_spec import SupervisorSpec
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -35,7 +35,7 @@ def raise_stopped(signum, frame):
     raise Stopped(signum)
 
 
-def run_torchrun(argv: list[str]) -> dict:
+def run_torchrun(argv: list[str]) -> AgentOutcome:
     """Run the torchrun agent here; return what it observed."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -43,17 +43,15 @@ def run_torchrun(argv: list[str]) -> dict:
 
     try:
         run(parse_args(argv))
-        return {"succeeded": True}
+        return AgentOutcome(succeeded=True)
     except ChildFailedError as failed:
-        return {
-            "succeeded": False,
-            "failures": {int(rank): {"exit_code": int(f.exitcode)} for rank, f in failed.failures.items()},
-        }
+        return AgentOutcome(succeeded=False,
+                            failures={int(rank): int(f.exitcode) for rank, f in failed.failures.items()})
     except SignalException as stopped:
-        return {"succeeded": False, "stopped_by": signal.Signals(stopped.sigval).name}
+        return AgentOutcome(succeeded=False, stopped_by=signal.Signals(stopped.sigval).name)
 
 
-def run_agent(agent: int, spec: SupervisorSpec, torchrun_argv: list[str]) -> dict:
+def run_agent(agent: int, spec: SupervisorSpec, torchrun_argv: list[str]) -> AgentOutcome:
     """Agent `agent` of the run, in this process (agent 0 in the supervisor, the others in its forks): what it
     observed. A stop signal, or the agent's own failure, is its outcome too."""
     os.environ[AGENT_PID_ENV] = str(os.getpid())
@@ -63,10 +61,10 @@ def run_agent(agent: int, spec: SupervisorSpec, torchrun_argv: list[str]) -> dic
     try:
         return run_torchrun(torchrun_argv)
     except Stopped as stopped:
-        return {"succeeded": False, "stopped_by": str(stopped)}
+        return AgentOutcome(succeeded=False, stopped_by=str(stopped))
     except BaseException as error:  # noqa: BLE001 - the agent itself failed: say so
         traceback.print_exc()
-        return {"succeeded": False, "agent_error": f"{type(error).__name__}: {error}"}
+        return AgentOutcome(succeeded=False, agent_error=f"{type(error).__name__}: {error}")
 
 
 class OtherAgents:
@@ -139,13 +137,13 @@ class OtherAgents:
             while any(pid not in self.exit_codes for pid in alive) and time.monotonic() < until:
                 time.sleep(0.05)
 
-    def outcomes(self) -> list[dict]:
+    def outcomes(self) -> list[AgentOutcome]:
         """Each started agent's outcome (none when they never joined: the run went on without them)."""
         if not self.started:
             return []
         return [self._folder.read_outcome(agent)
-                or {"succeeded": False, "agent_error": f"agent {agent} ended without a word (exit code "
-                                                        f"{self.exit_codes.get(pid)})"}
+                or AgentOutcome(succeeded=False, agent_error=f"agent {agent} ended without a word (exit code "
+                                                              f"{self.exit_codes.get(pid)})")
                 for agent, pid in enumerate(self.pids, start=1)]
 
 
@@ -163,21 +161,19 @@ class JoinWhenSeen:
         self._join()
 
 
-def merge_outcomes(outcomes: list[dict]) -> dict:
+def merge_outcomes(outcomes: list[AgentOutcome]) -> AgentOutcome:
     """One outcome for the run from every agent's (`outcomes[k]` is agent k's)."""
-    merged: dict = {"succeeded": all(o.get("succeeded") for o in outcomes)}
-    failures = {rank: f for o in outcomes for rank, f in (o.get("failures") or {}).items()}
-    if failures or any("failures" in o for o in outcomes):
-        merged["failures"] = failures
+    failures = None
+    unfinished: tuple[int, ...] = ()
+    if any(o.failures is not None for o in outcomes):
+        failures = {rank: code for o in outcomes for rank, code in (o.failures or {}).items()}
         # Agents stopped (or broken) before their torchrun could say how their ranks ended: those ranks are
         # not among the failures, and not known to have finished either.
-        merged["unfinished_agents"] = [agent for agent, o in enumerate(outcomes)
-                                       if not o.get("succeeded") and "failures" not in o]
-    for key in ("stopped_by", "agent_error"):
-        found = [o[key] for o in outcomes if key in o]
-        if found:
-            merged[key] = found[0]
-    return merged
+        unfinished = tuple(agent for agent, o in enumerate(outcomes) if not o.succeeded and o.failures is None)
+    return AgentOutcome(
+        succeeded=all(o.succeeded for o in outcomes), failures=failures, unfinished_agents=unfinished,
+        stopped_by=next((o.stopped_by for o in outcomes if o.stopped_by), ""),
+        agent_error=next((o.agent_error for o in outcomes if o.agent_error), ""))
 
 
 def _run_other_agent(agent: int, parent_pid: int, argument_pipe: int, folder: RunFolder,
@@ -193,4 +189,4 @@ def _run_other_agent(agent: int, parent_pid: int, argument_pipe: int, folder: Ru
     folder.write_outcome(outcome, agent)
     sys.stdout.flush()
     sys.stderr.flush()
-    return 0 if outcome.get("succeeded") else 1
+    return 0 if outcome.succeeded else 1

@@ -33,10 +33,11 @@ from pathlib import Path
 
 from ... import hang
 from ...processes import kill_marked, kill_process_groups, process_is_dead, run_despite_interrupts, stop_process_group
-from ...run_folder import LOOPBACK_ENV, RUN_DIR_ENV, RUN_ID_ENV, KillRequest, RankIdentity, RunFolder
+from ...run_folder import LOOPBACK_ENV, RUN_DIR_ENV, RUN_ID_ENV, AgentOutcome, KillRequest, RankIdentity, RunFolder
 from ...text_in_file import TextInFile
 from .. import Ending, Engine, LaunchConfig, OutputPump, RankEnding, rank_command
 from . import warm
+from ._framing import ForkRequest
 from .supervisor_spec import SupervisorSpec
 from .warm import WarmProcess, WarmRefused, current_umask, warm_zygote, what_happened_to_the_warm_process
 
@@ -115,8 +116,8 @@ class LocalEngine(Engine):
         if zygote is not None:
             supervisor_spec(config, folder, self.run_id, zygote.process.pid, env, zygote.socket_path).write(
                 folder.supervisor_spec)
-            request = {"role": "supervisor", "argv": [str(folder.supervisor_spec)], "env": env,
-                       "cwd": str(config.working_dir), "umask": current_umask()}
+            request = ForkRequest("supervisor", [str(folder.supervisor_spec)], env, str(config.working_dir),
+                                  current_umask())
             with open(os.devnull, "rb") as devnull:
                 try:
                     return WarmProcess.start(zygote.socket_path, request,
@@ -171,15 +172,15 @@ class LocalEngine(Engine):
                 print(f"[ddp_helpers] {note}", file=sys.stderr, flush=True)
             if process.unreported:  # the supervisor's exit code was lost with the warm process: it is its outcome's
                 returncode = None
-        outcome = self.folder.read_outcome() or {}
-        succeeded = returncode == 0 if returncode is not None else outcome.get("succeeded") is True
+        outcome = self.folder.read_outcome()  # None: the supervisor was killed before it could write it
+        succeeded = returncode == 0 if returncode is not None else outcome is not None and outcome.succeeded
         nnodes = self.config.nnodes
         return Ending(ranks=rank_endings(self.config, self.folder, outcome), succeeded=succeeded,
                       where=f"on {nnodes} agents" if nnodes > 1 else "",
                       launcher_log=self.folder.read_text(self.folder.torchrun_log))
 
 
-def rank_endings(config: LaunchConfig, folder: RunFolder, outcome: dict) -> tuple[RankEnding, ...]:
+def rank_endings(config: LaunchConfig, folder: RunFolder, outcome: AgentOutcome | None) -> tuple[RankEnding, ...]:
     """How each rank ended: as its torchrun agent saw it (the supervisor's `outcome`: its per-rank failures,
     negative for a signal), else as the rank wrote it as it ended, else unknown (None). An elastic run has
     as many ranks as its world grew to (agents that never joined left none)."""
@@ -188,25 +189,24 @@ def rank_endings(config: LaunchConfig, folder: RunFolder, outcome: dict) -> tupl
     world_size = config.world_size
     if config.job.join_after:
         world_size = max([identity.world_size for identity in identities if identity] + [config.ranks_per_agent])
-    failures = {int(rank): seen for rank, seen in (outcome.get("failures") or {}).items()}
-    died_at = {int(rank): t for rank, t in (outcome.get("died_at") or {}).items()}
-    return tuple(RankEnding(_exit_code(folder, rank, identities[rank], outcome, failures.get(rank)), died_at.get(rank))
+    if outcome is None:  # no agent to ask: how each rank said it ended, if it could
+        return tuple(RankEnding(folder.read_exit_code(rank)) for rank in range(world_size))
+    return tuple(RankEnding(_exit_code(folder, rank, identities[rank], outcome), outcome.died_at.get(rank))
                  for rank in range(world_size))
 
 
-def _exit_code(folder: RunFolder, rank: int, identity: RankIdentity | None, outcome: dict,
-               seen: dict | None) -> int | None:
+def _exit_code(folder: RunFolder, rank: int, identity: RankIdentity | None, outcome: AgentOutcome) -> int | None:
     """How `rank` ended: as its agent saw it (`outcome`), else as the rank wrote it, else unknown (None)."""
-    if outcome.get("succeeded") is True:
+    if outcome.succeeded:
         return 0
-    if seen is not None:
-        return seen.get("exit_code")
-    if "failures" in outcome and identity is not None and identity.agent in outcome.get("unfinished_agents", ()):
+    if outcome.failures is None:
+        return None  # no agent could say
+    if rank in outcome.failures:
+        return outcome.failures[rank]
+    if identity is not None and identity.agent in outcome.unfinished_agents:
         # Its agent was stopped before it could say: finished if the rank wrote how it ended, else stopped.
         return folder.read_exit_code(rank)
-    if "failures" in outcome:
-        return 0  # the agent listed every rank that failed; this one was not among them
-    return None
+    return 0  # the agent listed every rank that failed; this one was not among them
 
 
 class RankKiller:

@@ -40,13 +40,14 @@ import threading
 import time
 import traceback
 
+from dataclasses import replace
 from pathlib import Path
 
 from .agents import STOP_SIGNALS, JoinWhenSeen, OtherAgents, Stopped, merge_outcomes, raise_stopped, run_agent
 from ...processes import (
     ARM_PARENT_DEATH_FAILED, arm_parent_death_signal, kill_marked, kill_process_groups, process_is_dead,
 )
-from ...run_folder import OUTPUT_KEEP_BYTES, RUN_ID_ENV, RunFolder
+from ...run_folder import OUTPUT_KEEP_BYTES, RUN_ID_ENV, AgentOutcome, RunFolder
 from ...store_guard import keep_stores_on_loopback, loopback_store, sign_rendezvous_state
 from .supervisor_spec import SupervisorSpec
 
@@ -184,26 +185,26 @@ class SupervisedRun:
         self.others: OtherAgents | None = None
         self._own_store = None
 
-    def run(self) -> dict:
+    def run(self) -> AgentOutcome:
         """Run the launch to its end, stop everything of it, write its outcome; return the outcome."""
-        outcome: dict = {"succeeded": False}
+        outcome = AgentOutcome(succeeded=False)
         try:
             outcome = self._run_agents()
         except Stopped as stopped:
-            outcome = {"succeeded": False, "stopped_by": str(stopped)}
+            outcome = AgentOutcome(succeeded=False, stopped_by=str(stopped))
             if self.others is not None:  # stopped because another agent failed: its outcome tells which rank
                 self.others.wait(timeout_s=0, grace_s=self.spec.shutdown_grace_s)
                 outcome = merge_outcomes([outcome, *self.others.outcomes()])
         except BaseException as error:  # noqa: BLE001 - the supervisor itself failed: say so, still clean up
             traceback.print_exc()
-            outcome = {"succeeded": False, "agent_error": f"{type(error).__name__}: {error}"}
+            outcome = AgentOutcome(succeeded=False, agent_error=f"{type(error).__name__}: {error}")
         finally:
             for signum in STOP_SIGNALS:  # cleanup is not to be interrupted; the launcher's last resort is SIGKILL
                 signal.signal(signum, signal.SIG_IGN)
-            self._sweep(outcome)
+            outcome = self._sweep(outcome)
         return outcome
 
-    def _run_agents(self) -> dict:
+    def _run_agents(self) -> AgentOutcome:
         spec = self.spec
         if spec.nnodes > 1:
             self.others = OtherAgents(self.folder, spec)  # forked first, while this process has a single thread
@@ -225,13 +226,14 @@ class SupervisedRun:
         outcome = run_agent(0, spec, torchrun_argv)
         if self.others is not None:
             # Agent 0 failed: the others would wait for it at the exit barrier. Else they are ending too.
-            self.others.wait(timeout_s=spec.shutdown_grace_s + 2 if outcome.get("succeeded") else 0,
+            self.others.wait(timeout_s=spec.shutdown_grace_s + 2 if outcome.succeeded else 0,
                              grace_s=spec.shutdown_grace_s)
             outcome = merge_outcomes([outcome, *self.others.outcomes()])
         return outcome
 
-    def _sweep(self, outcome: dict) -> None:
-        """Stop every process of the run, close the pipes, and write the outcome."""
+    def _sweep(self, outcome: AgentOutcome) -> AgentOutcome:
+        """Stop every process of the run, close the pipes, and write the outcome (with when each rank
+        died); return it."""
         folder, world_size = self.folder, self.spec.world_size
         if self.others is not None:
             self.others.wait(timeout_s=0, grace_s=self.spec.shutdown_grace_s)  # they stop their ranks, then we sweep
@@ -239,7 +241,7 @@ class SupervisedRun:
         kill_process_groups(folder.rank_pids(world_size))
         if self.watcher is not None:
             self.watcher.stop()
-            outcome["died_at"] = self.watcher.died_at
+            outcome = replace(outcome, died_at=dict(self.watcher.died_at))
         if self.pipes is not None:
             self.pipes.close()
         if self.others is not None:
@@ -251,6 +253,7 @@ class SupervisedRun:
         folder.write_outcome(outcome)
         sys.stdout.flush()
         sys.stderr.flush()
+        return outcome
 
 
 def main(argv: list[str]) -> int:
@@ -269,7 +272,7 @@ def main(argv: list[str]) -> int:
     sign_rendezvous_state(secrets.token_bytes(32))
     os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(int(spec.shutdown_grace_s))
     outcome = SupervisedRun(spec, RunFolder(Path(argv[0]).parent, spec.run_id)).run()
-    return 0 if outcome.get("succeeded") else 1
+    return 0 if outcome.succeeded else 1
 
 
 if __name__ == "__main__":

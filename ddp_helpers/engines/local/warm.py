@@ -60,12 +60,12 @@ class WarmProcess:
             self._pidfd = None
 
     @classmethod
-    def start(cls, socket_path: str, request: dict, fds: tuple[int, int, int]) -> "WarmProcess":
+    def start(cls, socket_path: str, request: _framing.ForkRequest, fds: tuple[int, int, int]) -> "WarmProcess":
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.settimeout(ANSWER_TIMEOUT_S)  # it answers in milliseconds: no answer means stopped or wedged
         try:
             conn.connect(socket_path)
-            _framing.send(conn, request, fds)
+            _framing.send(conn, request.to_message(), fds)
             answer = _read_message(conn)
         except BaseException:
             conn.close()

@@ -29,7 +29,7 @@ peer's user id (SO_PEERCRED): nothing else can ask it to run code. It dies with 
 signal), removing its folder; its children notice (the supervisor stops its run; ranks die).
 
 Protocol (one Unix stream connection per child): the client sends a length-prefixed JSON request
-{"role": "supervisor"|"worker", "argv", "env", "cwd", "umask"} with its fds 0/1/2 attached; the zygote answers
+a `_framing.ForkRequest` (role "supervisor" or "worker", argv, env, cwd, umask) with its fds 0/1/2 attached; the zygote answers
 {"pid": N} once forked, then {"status": wait_status} when the child ends. When the client goes away
 first, the zygote kills the child's process group.
 """
@@ -129,22 +129,22 @@ def _peer_uid(conn: socket.socket) -> int:
     return struct.unpack("3i", credentials)[1]
 
 
-def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+def _read_request(conn: socket.socket) -> tuple[_framing.ForkRequest, list[int]]:
     data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
     try:
         if not data:
             raise ValueError("empty request")
-        request = _framing.receive(conn, already=data)
-        if request is None:
+        message = _framing.receive(conn, already=data)
+        if message is None:
             raise ValueError("truncated request")
-        return request, fds
+        return _framing.ForkRequest.from_message(message), fds
     except BaseException:
         for fd in fds:  # descriptors of a request that is not served
             os.close(fd)
         raise
 
 
-def _become_child(request: dict, fds: list[int], go: int) -> None:
+def _become_child(request: _framing.ForkRequest, fds: list[int], go: int) -> None:
     """In the forked child: turn into a fresh process for the request, run it, never return. It starts only
     once the zygote has told the client its pid (`go`): a client that got no answer runs the request cold,
     and this child must then not run it too."""
@@ -160,15 +160,14 @@ def _become_child(request: dict, fds: list[int], go: int) -> None:
             os.dup2(fd, target)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update(request.env)
         # What a fresh process reads from its environment and its parent at start-up.
         tempfile.tempdir = None  # tempfile caches TMPDIR at first use
         time.tzset()
-        if "umask" in request:
-            os.umask(int(request["umask"]))
+        os.umask(request.umask)
         # The run's marker where the sweep can see it: /proc environ still shows the zygote's.
         set_process_name(process_name_for(os.environ.get(RUN_ID_ENV, "")))
-        os.chdir(request["cwd"])
+        os.chdir(request.cwd)
         sys.path[0] = os.getcwd()  # as `python -m ...` started here would have it
         _fresh_randomness()
         import torch
@@ -176,14 +175,14 @@ def _become_child(request: dict, fds: list[int], go: int) -> None:
         # What torch chose at import here, from the same OMP_NUM_THREADS (a launch with another value runs cold):
         # a fresh process's choice, which is not always that value (measured: OMP_NUM_THREADS=3 on 2 cores gave 2).
         torch.set_num_threads(_torch_threads_at_import)
-        if request["role"] == "supervisor":
+        if request.role == "supervisor":
             from . import supervisor
 
-            code = supervisor.main(request["argv"])
+            code = supervisor.main(request.argv)
         else:
             from ... import _bootstrap
 
-            argv = request["argv"]  # ["-m", "ddp_helpers._bootstrap", SCRIPT, ARGS...]
+            argv = request.argv  # ["-m", "ddp_helpers._bootstrap", SCRIPT, ARGS...]
             sys.argv = ["-m", *argv[2:]]
             # The rank dies with its parent, which is this zygote here (the stub stands in for it
             # towards torchrun; the zygote kills the rank if the stub dies).
@@ -287,7 +286,7 @@ class ZygoteServer:
                 _become_child(request, fds, go_read)
             os.close(go_read)
             self.children[pid] = conn
-            if request.get("role") == "supervisor":
+            if request.role == "supervisor":
                 self.supervisors.add(pid)
             write_message(conn, {"pid": pid})
             os.write(go, b"1")

@@ -29,6 +29,9 @@ def test_notebooks_are_committed_without_outputs(notebook):
         assert cell.get("execution_count") is None, f"{notebook.name} cell {index} has an execution count"
         extra = set(cell.get("metadata", {})) - {"tags"}
         assert not extra, f"{notebook.name} cell {index} carries editor metadata {extra}"
+    # nbformat 4.5 gives every cell an id (JupyterLab sends it with each run: a cell's default script name).
+    ids = [cell.get("id") for cell in cells]
+    assert all(ids) and len(set(ids)) == len(ids), f"{notebook.name}: every cell needs an id of its own"
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)

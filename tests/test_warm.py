@@ -426,7 +426,7 @@ def test_a_warm_rank_reads_its_environment_at_start_up_as_a_fresh_process(write_
     run = run_on_cpu(script, extra_env={read[0]: "set by this cell"})
     assert run.ok, failure_report(run)
     assert all(s["parent"] != warm._ZYGOTE.process.pid for s in run.facts("seen"))
-    assert "(--env of this cell)" in capsys.readouterr().err
+    assert "(this launch's own --env or extra_env)" in capsys.readouterr().err
     old_umask = os.umask(0o027)
     try:
         monkeypatch.setenv("TZ", "UTC+05")

@@ -242,7 +242,7 @@ class ZygoteHandle:
             return f"{changed}; the warm process is started again with the new environment", True
         mismatch = environment_mismatch(self.env, launch_env, read)
         if mismatch:  # this cell's --env: the warm process's modules may have read another value already
-            return f"{mismatch} (--env of this cell)", False
+            return f"{mismatch} (this launch's own --env or extra_env)", False
         if self.fingerprint and self.fingerprint.get("torch") != torch_fingerprint():
             return "torch changed on disk since the warm process imported it; it is started again", True
         if self.fingerprint and self.fingerprint.get("packages") != packages_fingerprint():

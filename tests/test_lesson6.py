@@ -213,3 +213,35 @@ def test_the_reference_is_refused_inside_a_rank(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     with pytest.raises(RuntimeError, match="the checker's answer"):
         exercise_reference([1, 2])
+
+
+def test_a_profiler_trace_is_read_as_one_steps_phases_and_collectives(tmp_path):
+    import json
+
+    import pytest
+
+    from ddp_helpers.lessons.lesson6_trace import ALL_REDUCE, profiled_step
+
+    def event(name, tid, ts, dur):
+        return {"ph": "X", "name": name, "tid": tid, "ts": ts, "dur": dur}
+
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        event("ProfilerStep#2", 1, 0, 1000), event("DistributedDataParallel.forward", 1, 10, 300),
+        event("ProfilerStep#3", 1, 2000, 1000), event("DistributedDataParallel.forward", 1, 2010, 300),
+        event("autograd::engine::evaluate_function: AddmmBackward0", 1, 2400, 200),
+        event("aten::addmm", 1, 2410, 100),  # an operator inside a phase: not a phase of its own
+        event("gloo:all_reduce", 7, 2500, 400), event("gloo:all_reduce", 8, 2550, 300),
+        event("Optimizer.step#SGD.step", 1, 2950, 40), {"ph": "i", "name": "an instant", "tid": 1, "ts": 2100},
+        event("gloo:all_reduce", 7, 3100, 10),  # after the step
+    ]}))
+    spans, step_ms = profiled_step(trace)
+    assert step_ms == 1.0
+    assert [(s.kind, s.thread, s.start_ms) for s in spans] == [
+        ("gloo:all_reduce", "communication 0", 0.5), ("gloo:all_reduce", "communication 1", 0.55),
+        ("forward", "training loop", 0.01), ("backward", "training loop", 0.4), ("optimizer step", "training loop", 0.95)]
+    assert sum(bool(ALL_REDUCE.search(s.kind)) for s in spans) == 2
+    assert [s.kind for s in profiled_step(trace, "ProfilerStep#2")[0]] == ["forward"]
+    trace.write_text(json.dumps({"traceEvents": [event("aten::addmm", 1, 0, 5)]}))
+    with pytest.raises(ValueError, match="no profiled step"):
+        profiled_step(trace)

@@ -113,3 +113,25 @@ def plot_scaling(throughput: dict[int, float]):
     ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
+
+
+def plot_trace(spans, step_ms: float, title: str = "One DDP step in torch's profiler (rank 0)"):
+    """The profiled step's spans (`lesson6_trace.profiled_step`) as a timeline, one row per thread."""
+    threads = sorted({span.thread for span in spans}, key=lambda t: (t != "training loop", t))
+    kinds = {"forward": 0, "backward": 1, "optimizer step": 2}
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.5 * len(threads)))
+    shown = set()
+    for span in spans:
+        label = span.kind if span.kind in kinds else "all-reduce" if "reduce" in span.kind.lower() else span.kind
+        color = series_color(kinds.get(label, 3))
+        ax.barh(threads.index(span.thread), span.duration_ms, left=span.start_ms, height=0.6, color=color,
+                edgecolor="white", linewidth=0.3, label=None if label in shown else label)
+        shown.add(label)
+    ax.set_yticks(range(len(threads)), threads)
+    ax.invert_yaxis()
+    ax.set_xlim(0, step_ms)
+    ax.set_xlabel("milliseconds from the step's start")
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.legend(fontsize=8, frameon=False, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    return fig

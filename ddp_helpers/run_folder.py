@@ -270,6 +270,19 @@ class RunFolder:
         """What the rank printed on `stream` ("stdout" or "stderr"), capped by the supervisor."""
         return self._rank_file(rank, stream)
 
+    def identity_file(self, rank: int) -> Path:
+        """Written by the rank's bootstrap as its attempt starts (`write_identity`)."""
+        return self._rank_file(rank, "pid")
+
+    def exit_file(self, rank: int) -> Path:
+        """Written by the rank's bootstrap last, as it ends (`write_exit`)."""
+        return self._rank_file(rank, "exit.json")
+
+    @property
+    def outcome_file(self) -> Path:
+        """Written by the supervisor once the run is over and swept (`write_outcome`)."""
+        return self._outcome_file(None)
+
     def fifo(self, rank: int, stream: str) -> Path:
         """The pipe a rank writes its stdout/stderr into (the supervisor caps it into `output`)."""
         return self.pipes_dir / f"rank{rank}.{stream}"

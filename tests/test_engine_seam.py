@@ -120,3 +120,20 @@ def test_the_supervisor_gets_one_spec_that_round_trips_through_the_run_folder(tm
     assert argv[argv.index("--nnodes") + 1] == "1:2"  # elastic: agents join later
     assert argv[argv.index("--rdzv-endpoint") + 1] == "127.0.0.1:4321"
     assert argv[-3:] == ["-m", "ddp_helpers._bootstrap", "train.py"] and spec.world_size == 4
+
+
+def test_the_launch_phases_benchmark_accounts_for_the_whole_launch(write_script):
+    # The benchmark's phases run from launch() called to launch() returned, each ending at a moment the run
+    # recorded itself; they must tile the launch (no phase negative, the sum the wall time).
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "launch_phases.py"
+    spec = importlib.util.spec_from_file_location("launch_phases", path)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    wall, phases = benchmark.one_launch(write_script("barrier", benchmark.SCRIPT), 2)
+    # (A file's time comes from the kernel's coarse clock, up to a few ms behind time.time().)
+    assert len(phases) == len(benchmark.PHASES) and all(phase > -0.02 for phase in phases), phases
+    assert abs(sum(phases) - wall) < 1e-6
+    assert 0 < benchmark.one_floor(2) < wall

@@ -135,6 +135,11 @@ class LaunchConfig:
     def world_size(self) -> int:
         return self.ranks_per_agent * self.nnodes
 
+    @property
+    def cluster(self) -> Job | None:
+        """`job`'s older name, for a job elsewhere than this machine: None for a run here."""
+        return None if self.job is None or type(self.job).is_default else self.job
+
     def __post_init__(self) -> None:
         # Freeze the environment mapping too, so a config can be shared without surprises.
         object.__setattr__(self, "extra_env", types.MappingProxyType(dict(self.extra_env)))

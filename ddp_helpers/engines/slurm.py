@@ -257,7 +257,7 @@ class SlurmEngine(Engine):
         self._guard: subprocess.Popen | None = None
         self._said: tuple[str, str] | None = None
         self._final = ""  # Slurm's final state, once the job has left the queue
-        self._queued = ""  # while it waits in the queue: why (the job's state if it times out there)
+        self._queued: str | None = None  # while it waits in the queue: why, in Slurm's words ("" if none)
 
     def start(self, run_id: str) -> None:
         path = job_script_path(self.config)
@@ -279,8 +279,7 @@ class SlurmEngine(Engine):
             raise LaunchError(f"Slurm will not start job {self.job_id} as asked: it waits with reason {detail} "
                               f"(more nodes, time or resources than the partition or account allows). "
                               "The job was cancelled; see `scontrol show partition`.")
-        waits = state == "PENDING" and detail not in ("", "None")
-        self._queued = "" if state != "PENDING" else f"{NEVER_LEFT_THE_QUEUE} ({detail})" if waits else NEVER_LEFT_THE_QUEUE
+        self._queued = (detail if detail not in ("", "None") else "") if state == "PENDING" else None
         return True
 
     def on_timeout(self, output: OutputPump) -> None:
@@ -305,14 +304,15 @@ class SlurmEngine(Engine):
             self._guard.wait()
 
     def ending(self) -> Ending:
-        state = self._final or self._queued or "CANCELLED"
-        waited = (f"Slurm job {self.job_id} was still waiting in the queue{self._queued[len(NEVER_LEFT_THE_QUEUE):]}"
-                  if self._queued else "")
+        why = f" ({self._queued})" if self._queued else ""
+        queued = self._queued is not None
+        state = self._final or (f"{NEVER_LEFT_THE_QUEUE}{why}" if queued else "CANCELLED")
+        waited = f"Slurm job {self.job_id} was still waiting in the queue{why}" if queued else ""
         return Ending(
             # How each rank said it ended, as it ended (None: it never said: cancelled, or never started).
             ranks=tuple(RankEnding(self.folder.read_exit_code(rank)) for rank in range(self.config.world_size)),
             succeeded=self._final == "COMPLETED",
-            state="ended" if self._final else "pending" if self._queued else "running", reason=state,
+            state="ended" if self._final else "pending" if queued else "running", reason=state,
             where=f"on {self.config.nnodes} Slurm node(s), job {self.job_id} {state}", never_started=waited,
             launcher_log=self.folder.read_text(self.folder.job_log(self.job_id)) if self.job_id else "",
             job_id=self.job_id,

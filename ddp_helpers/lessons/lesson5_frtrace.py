@@ -33,9 +33,9 @@ def torchfrtrace(run: RunResult) -> FrTraceVerdict:
     lines = [line for line in said.splitlines() if not line.startswith("tabulate is not installed")]
     script = run.config.script.name
     # The stack's other frames are torch's, and the launcher's own plumbing around the cell: left out.
-    kept = [line for line in lines if not re.search(r"\S+:\d+$", line) or f"/{script}:" in line]
-    text = re.sub(rf"\S*/{re.escape(script)}:(\d+)$", rf"{script}:\1 (line \1 of the cell)", "\n".join(kept).strip(),
-                  flags=re.M) if is_cell_script(run.config.script) else "\n".join(kept).strip()
+    text = "\n".join(line for line in lines if not re.search(r"\S+:\d+$", line) or f"/{script}:" in line).strip()
+    if is_cell_script(run.config.script):  # a cell's script numbers its lines as the cell does
+        text = re.sub(rf"\S*/{re.escape(script)}:(\d+)$", rf"{script}:\1 (line \1 of the cell)", text, flags=re.M)
     sequence = re.search(r"sequence number: (\d+)", text)
     collective = re.search(r"^collective: (\S+)", text, flags=re.M)
     missing = re.search(r"missing ranks: \{([\d, ]*)\}", text)

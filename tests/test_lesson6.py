@@ -234,6 +234,7 @@ def test_a_profiler_trace_is_read_as_one_steps_phases_and_collectives(tmp_path):
         event("gloo:all_reduce", 7, 2500, 400), event("gloo:all_reduce", 8, 2550, 300),
         event("Optimizer.step#SGD.step", 1, 2950, 40), {"ph": "i", "name": "an instant", "tid": 1, "ts": 2100},
         event("gloo:all_reduce", 7, 3100, 10),  # after the step
+        {**event("ProfilerStep#3", 99, 2020, 990), "cat": "gpu_user_annotation"},  # the step on a GPU's timeline
     ]}))
     spans, step_ms = profiled_step(trace)
     assert step_ms == 1.0

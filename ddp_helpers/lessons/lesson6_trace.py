@@ -40,7 +40,9 @@ def profiled_step(path: str | Path, step: str | None = None) -> tuple[list[Span]
     """(the spans of one profiled step, the step's length in ms): the step named `step` ("ProfilerStep#3"),
     by default the last one the trace holds."""
     events = [event for event in json.loads(Path(path).read_text())["traceEvents"] if event.get("ph") == "X"]
-    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    # With CUDA, each step is annotated on the GPU's timeline too ("gpu_user_annotation"): the CPU's is the loop's.
+    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#") and e.get("cat") != "gpu_user_annotation"),
+                   key=lambda e: e["ts"])
     if not steps:
         raise ValueError(f"{path} holds no profiled step: was prof.step() called inside the profile block?")
     chosen = steps[-1] if step is None else next(e for e in steps if e["name"] == step)

@@ -246,3 +246,28 @@ def test_a_profiler_trace_is_read_as_one_steps_phases_and_collectives(tmp_path):
     trace.write_text(json.dumps({"traceEvents": [event("aten::addmm", 1, 0, 5)]}))
     with pytest.raises(ValueError, match="no profiled step"):
         profiled_step(trace)
+
+
+def test_a_gpu_trace_counts_each_collective_once_and_finds_the_backward_on_autograds_thread(tmp_path):
+    """On CUDA, autograd's device thread runs the backward and records nccl's call, and the kernel runs on a
+    stream: two events per all-reduce, of which the kernel counts."""
+    import json
+
+    from ddp_helpers.lessons.lesson6_trace import ALL_REDUCE, profiled_step
+
+    def event(name, tid, ts, dur, cat="cpu_op"):
+        return {"ph": "X", "name": name, "tid": tid, "ts": ts, "dur": dur, "cat": cat}
+
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        event("ProfilerStep#3", 1, 0, 1000, "user_annotation"), event("DistributedDataParallel.forward", 1, 10, 300),
+        event("autograd::engine::evaluate_function: AddmmBackward0", 2, 400, 200),
+        event("nccl:all_reduce", 2, 550, 20), event("nccl:all_reduce", 2, 650, 20),
+        event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 7, 560, 100, "kernel"),
+        event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 7, 700, 100, "kernel"),
+        event("Optimizer.step#SGD.step", 1, 900, 40),
+    ]}))
+    spans, _ = profiled_step(trace)
+    assert sum(bool(ALL_REDUCE.search(s.kind)) for s in spans) == 2, spans
+    assert {(s.kind, s.thread) for s in spans if not ALL_REDUCE.search(s.kind)} == {
+        ("forward", "training loop"), ("backward", "autograd thread"), ("optimizer step", "training loop")}

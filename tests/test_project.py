@@ -203,3 +203,48 @@ def test_a_torch_index_installs_torch_alone_from_it_then_the_course_from_pypi(tm
     subprocess.run(["bash", "-c", f"source {project}/scripts/ensure_env.sh"], check=True, timeout=60,
                    env={**os.environ, "DDP_LESSONS_TORCH_INDEX": index}, capture_output=True)
     assert len(calls.read_text().splitlines()) == 2
+
+
+def _confirmed_text(node) -> str:
+    """What a check() says it confirmed, its f-string values as "…"."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "…" for v in node.values)
+    if isinstance(node, ast.BinOp):
+        return _confirmed_text(node.left) + _confirmed_text(node.right)
+    return "…"
+
+
+def lesson_checks(notebook: Path) -> list[tuple[str, str]]:
+    """(cell id, the first 60 characters of what it confirms) of every ✓ (`check(...)`) in a notebook's cells."""
+    import ast
+
+    found = []
+    for cell in json.loads(notebook.read_text())["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] != "code" or source.startswith("%%"):
+            continue
+        python = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+        calls = [node for node in ast.walk(ast.parse(python)) if isinstance(node, ast.Call)
+                 and isinstance(node.func, ast.Name) and node.func.id == "check"]
+        for call in sorted(calls, key=lambda call: (call.lineno, call.col_offset)):
+            found.append((cell["id"], " ".join(_confirmed_text(call.args[1]).split())[:60]))
+    return found
+
+
+def test_every_check_in_the_lessons_names_a_script_it_fails_for():
+    """docs/checks.md names, for each ✓, a change to the lesson's script for which it fails: a ✓ that no
+    script can fail is a torch guarantee, and is printed with • (observed) instead."""
+    ledger = (ROOT / "docs" / "checks.md").read_text()
+    listed = [(m.group(1), m.group(2), m.group(3)) for m in re.finditer(r'^- `([^`]+)` "(.*?)" — (.*)$', ledger, re.M)]
+    in_notebooks = [key for notebook in NOTEBOOKS for key in lesson_checks(notebook)]
+    assert in_notebooks, "the notebooks hold no check() at all: is the reader broken?"
+    missing = [key for key in in_notebooks if key not in {(cell, said) for cell, said, _ in listed}]
+    stale = [(cell, said) for cell, said, _ in listed if (cell, said) not in in_notebooks]
+    assert not missing, "add to docs/checks.md, naming a script each ✓ fails for:\n" + "\n".join(
+        f'- `{cell}` "{said}" — fails if …' for cell, said in missing)
+    assert not stale, f"docs/checks.md lists checks no notebook makes any more: {stale}"
+    assert all(why.startswith("fails") for _, _, why in listed), "each line says what the ✓ fails for"

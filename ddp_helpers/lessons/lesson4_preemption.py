@@ -12,6 +12,7 @@ training script to this one.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import shlex
 import subprocess
@@ -79,7 +80,7 @@ for step in range(first_step, STEPS):
         if stop.item() and step < STEPS - 1:
             print(f"rank {rank}: stopped by {signal.Signals(signum_seen).name}, saved after step {step}, exiting", flush=True)
             break
-    time.sleep(0.2)  # a slower step: time for the warning to arrive mid-training
+    time.sleep(0.1)  # a slower step: time for the warning to arrive mid-training
 dist.destroy_process_group()
 '''.replace("STEPS", str(STEPS))
 
@@ -165,6 +166,15 @@ def run_stopped_by_sigterm(after_line: str = "step 5 done", timeout_s: float = 1
     if code != 0:
         raise RuntimeError(f"the resumed training failed (exit code {code}): {resumed[-1500:]}")
     return stopped, "".join(lines), resumed, folder
+
+
+def run_uninterrupted_in_background(timeout_s: float = 120) -> concurrent.futures.Future:
+    """`run_uninterrupted` in a thread, started now: its `.result()` is the folder. The training mostly sleeps
+    between steps, so it runs beside another demo at little cost."""
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="uninterrupted")
+    future = pool.submit(run_uninterrupted, timeout_s)
+    pool.shutdown(wait=False)  # the thread ends with its run
+    return future
 
 
 def run_uninterrupted(timeout_s: float = 120) -> Path:

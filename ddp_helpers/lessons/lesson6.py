@@ -88,6 +88,21 @@ PUBLISHED_BUS_BANDWIDTH = (
 )
 
 
+# The Ultra-Scale Playbook's data-parallel scaling (its `dp_scaling` figure, shared/NOTES.md): a 1B model,
+# pure data parallelism (ZeRO-0), nodes of 8 x H100, sequence 4096, the global batch fixed at 1M tokens (so
+# gradient accumulation falls from 16 steps at 8 GPUs to 1 at 256). GPUs -> (tokens/s per GPU, MFU).
+PLAYBOOK_DP_SCALING = {8: (40_150, 0.392), 16: (37_610, None), 32: (35_368, None), 64: (31_112, None),
+                       128: (26_446, None), 256: (15_700, 0.153)}
+PLAYBOOK_CONDITIONS = ("Ultra-Scale Playbook, data parallelism: 1B model, ZeRO-0, 8 x H100 per node, sequence 4096, "
+                       "global batch 1M tokens")
+
+
+def training_flops_per_sample(parameters: int) -> int:
+    """6 N: a dense layer's parameter is one multiply-add (2 FLOPs) per sample in the forward, and two in the
+    backward (the input's gradient and its own)."""
+    return 6 * parameters
+
+
 MIN_TOLERANCE = 0.15  # below this, a run's spread is not a fair measure of its noise (too few repetitions)
 
 

@@ -7,7 +7,7 @@ import matplotlib.pyplot as plt
 
 from ..output import rank_color
 from ..plots import series_color
-from .lesson6 import PUBLISHED_BUS_BANDWIDTH, AlphaBeta, bandwidths, ring_factor
+from .lesson6 import PLAYBOOK_CONDITIONS, PLAYBOOK_DP_SCALING, PUBLISHED_BUS_BANDWIDTH, AlphaBeta, bandwidths, ring_factor
 
 
 def plot_allreduce(points: list[dict], world_size: int, fit: AlphaBeta, published: bool = False):
@@ -111,6 +111,46 @@ def plot_scaling(throughput: dict[int, float]):
     ax.set_xlabel("ranks")
     ax.set_ylabel("samples per second")
     ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_scaling_beside_the_playbook(efficiency: dict[int, float]):
+    """Left, this run's scaling efficiency per world size; right, the Playbook's tokens/s per GPU, relative to
+    8 GPUs, on 8 to 256 H100s (PLAYBOOK_DP_SCALING, with its conditions)."""
+    fig, (mine, theirs) = plt.subplots(1, 2, figsize=(10, 3.4))
+    worlds = sorted(efficiency)
+    mine.plot(worlds, [efficiency[w] for w in worlds], "o-", color=series_color(0))
+    mine.set_xticks(worlds)
+    mine.set_ylim(0, 1.1)
+    mine.set_xlabel("ranks (this machine)")
+    mine.set_ylabel("scaling efficiency")
+    mine.set_title("Your run", fontsize=10, loc="left")
+    gpus = sorted(PLAYBOOK_DP_SCALING)
+    first = PLAYBOOK_DP_SCALING[gpus[0]][0]
+    theirs.plot(gpus, [PLAYBOOK_DP_SCALING[g][0] / first for g in gpus], "o-", color=series_color(1))
+    theirs.set_xscale("log", base=2)
+    theirs.set_xticks(gpus, [str(g) for g in gpus])
+    theirs.set_ylim(0, 1.1)
+    theirs.set_xlabel("GPUs")
+    theirs.set_ylabel("tokens/s per GPU, relative to 8 GPUs")
+    theirs.set_title("Published: " + PLAYBOOK_CONDITIONS.split(": ", 1)[1], fontsize=8, loc="left", wrap=True)
+    fig.tight_layout()
+    return fig
+
+
+def plot_input_stalls(per_loader: dict[str, dict]):
+    """For each loader set-up, a step's time split into waiting for the batch and the rest (forward, backward
+    with DDP's all-reduces, optimizer step), in ms: the median over the measured steps of rank 0."""
+    names = list(per_loader)
+    waits = [per_loader[n]["wait_ms"] for n in names]
+    rest = [per_loader[n]["compute_ms"] for n in names]
+    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.6 * len(names)))
+    ax.barh(names, waits, color=series_color(3), label="waiting for the next batch")
+    ax.barh(names, rest, left=waits, color=series_color(1), label="forward, backward (with all-reduces), step")
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step (rank 0, median)")
+    ax.legend(fontsize=8, frameon=False, loc="lower right")
     fig.tight_layout()
     return fig
 

@@ -38,7 +38,11 @@ class Span:
 
 def profiled_step(path: str | Path, step: str | None = None) -> tuple[list[Span], float]:
     """(the spans of one profiled step, the step's length in ms): the step named `step` ("ProfilerStep#3"),
-    by default the last one the trace holds."""
+    by default the last one the trace holds.
+
+    On a GPU, autograd runs the backward on a thread of its own per device ("autograd thread"), and each
+    collective shows twice: nccl's CPU-side record of the call, and its kernel on a stream. The kernel is
+    what moved the bytes, so only kernels count there; on CPU ranks gloo's own threads hold the calls."""
     events = [event for event in json.loads(Path(path).read_text())["traceEvents"] if event.get("ph") == "X"]
     # With CUDA, each step is annotated on the GPU's timeline too ("gpu_user_annotation"): the CPU's is the loop's.
     steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#") and e.get("cat") != "gpu_user_annotation"),
@@ -48,15 +52,15 @@ def profiled_step(path: str | Path, step: str | None = None) -> tuple[list[Span]
     chosen = steps[-1] if step is None else next(e for e in steps if e["name"] == step)
     start, end, loop = chosen["ts"], chosen["ts"] + chosen["dur"], chosen["tid"]
     inside = [e for e in events if start <= e["ts"] < end]
-    elsewhere = sorted({str(e["tid"]) for e in inside if e["tid"] != loop and COLLECTIVE.search(e["name"])})
-    spans = []
+    collectives = [e for e in inside if COLLECTIVE.search(e["name"])]
+    if any(e.get("cat") == "kernel" for e in collectives):
+        collectives = [e for e in collectives if e.get("cat") == "kernel"]
+    communication = sorted({str(e["tid"]) for e in collectives})
+    spans = [Span(e["name"], f"communication {communication.index(str(e['tid']))}", (e["ts"] - start) / 1e3,
+                  e["dur"] / 1e3) for e in collectives]
     for event in inside:
-        if event["tid"] == loop:
-            kind = next((phase for prefix, phase in PHASES if event["name"].startswith(prefix)), None)
-            thread = "training loop"
-        else:
-            kind = event["name"] if COLLECTIVE.search(event["name"]) else None
-            thread = f"communication {elsewhere.index(str(event['tid']))}" if kind else ""
-        if kind:
-            spans.append(Span(kind, thread, (event["ts"] - start) / 1e3, event["dur"] / 1e3))
+        phase = next((phase for prefix, phase in PHASES if event["name"].startswith(prefix)), None)
+        if phase:
+            thread = "training loop" if event["tid"] == loop else "autograd thread"
+            spans.append(Span(phase, thread, (event["ts"] - start) / 1e3, event["dur"] / 1e3))
     return sorted(spans, key=lambda span: (span.thread, span.start_ms)), chosen["dur"] / 1e3

@@ -114,6 +114,13 @@ LESSON_3 = [
              ("Only on 2 ranks", "On any number of ranks, and in a plain process", "Only after converting with dcp_to_torch_save"), 1,
              "The metadata says which piece of which tensor is where; each loading rank reads what its own sharding needs.",
              "Look at the world sizes the checkpoint loaded at."),
+    Question("A model is built on meta and sharded over 2 ranks; after to_empty, each rank calls torch.manual_seed(0) and "
+             "torch.nn.init.normal_ on its shards. What do the weights hold?",
+             ("What one process would draw for the whole tensors", "Rank 1's rows repeat rank 0's numbers: the model "
+              "changes with the world size", "Nothing: meta tensors cannot be initialised"), 1,
+             "Each rank draws from the start of the same stream for its own rows. A rule per row of the whole tensor "
+             "(or DTensor's random number generator, on GPUs) gives the same numbers at any world size.",
+             "Which numbers would one process give the second half of the rows?"),
 ]
 
 
@@ -145,6 +152,13 @@ LESSON_4 = [
              ("It sets the master port", "It keeps two jobs' agents from joining each other", "It is required by srun"), 1,
              "Agents meet by endpoint and id: a unique id per job means one job's agents never join another's.",
              "What if two jobs used the same endpoint?"),
+    Question("Machine 1 of a new two-machine job prints 'The client socket has timed out ... trying to connect to "
+             "(10.1.2.9, 29400)', and machine 0 says '1/2 clients joined'. What do you check first?",
+             ("The GPUs' drivers on machine 1", "NCCL_DEBUG=INFO from the training",
+              "The head address machine 1 was given, and how it reaches it: ip route get 10.1.2.9"), 2,
+             "No worker has started yet: the agents never met. Either the address is wrong, or this machine reaches it "
+             "through another interface; ip route get names the interface and this machine's address on it.",
+             "Had any line of the training run yet?"),
 ]
 
 
@@ -198,6 +212,12 @@ LESSON_6 = [
              ("Far fewer: it compresses", "Half", "The same: it has not started compressing"), 2,
              "start_powerSGD_iter defaults to 1000: the first 1000 steps run a plain all-reduce.",
              "Look at PowerSGDState's defaults."),
+    Question("One batch takes 64 ms to read, and the step computes in 20 ms; the loader has num_workers=0. What does "
+             "a network twice as fast do to the step?",
+             ("Next to nothing: the step waits about 64 ms for each batch", "It halves the step", "It makes the step 20 ms"), 0,
+             "The loop reads each batch itself before it computes: about 84 ms a step, whatever the all-reduce costs. "
+             "Loader workers per rank read ahead, so the step becomes about the computation's 20 ms.",
+             "Look at the 0-worker bar in the input-stall plot."),
     Question("How many buckets does DDP all-reduce in the first backward of a model with 8 MiB of gradients, with "
              "`bucket_cap_mb=1`?",
              ("8, one per MiB", "1: the buckets are built after the first step", "None: the first step does not "

@@ -186,6 +186,8 @@ class WriteObserver:
                 self._note(path)
             elif writes:  # os.fdopen(fd, "w") and the like: no path to tell bookkeeping by
                 self.opened_for_writing = True
+        elif event == "socket.__new__":  # a socket's makefile("w") buffers too, with no "open" event
+            self.opened_for_writing = True
         elif event == "os.rename":
             self._note(args[1])
 

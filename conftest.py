@@ -100,7 +100,7 @@ def _browser_chain(item) -> str:
 # The quick inner loop, `scripts/run_tests.sh -m "not slow"`, leaves these out: whole notebooks, the
 # browser, the Slurm cluster, and the launches that wait out timers, restarts, cold starts or many runs.
 SLOW_FILES = {"test_browser.py", "test_slurm.py", "test_hang.py", "test_exit_abort.py", "test_cleanup.py", "test_agents.py",
-              "test_hostile.py", "test_lesson3.py", "test_lesson4.py", "test_lesson5.py", "test_lesson6.py", "test_warm.py",
+              "test_hostile.py", "test_lesson3.py", "test_lesson4.py", "test_lesson5.py", "test_lesson6.py", "test_lesson7.py", "test_warm.py",
               "test_launch_lesson.py"}
 
 

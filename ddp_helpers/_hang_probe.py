@@ -159,7 +159,8 @@ def _collective(entry: dict) -> dict:
     else:
         group = group_description
     return {"number": entry["collective_seq_id"], "op": entry["profiling_name"].split(":", 1)[-1],
-            "shapes": entry["input_sizes"], "dtypes": [d.lower() for d in entry["input_dtypes"]], "group": group}
+            "shapes": entry["input_sizes"], "dtypes": [d.lower() for d in entry["input_dtypes"]], "group": group,
+            "started_ns": entry.get("time_created_ns")}
 
 
 def _script_line(frames: list[dict]) -> int | None:

@@ -61,7 +61,8 @@ class RankResult:
             them: {"shape", "dtype", "op", "values" (what it put in; tensors of at most 64 elements)};
             DDP's all-reduces, made in C++, are not among them. Empty if the rank did not end normally.
         collectives: the collectives its script called, in order, as torch's flight recorder held them at
-            the end (its last 2000): {"number" (in its group), "op", "shapes", "dtypes", "group"}; empty if
+            the end (its last 2000): {"number" (in its group), "op", "shapes", "dtypes", "group", "started_ns"
+            (when it was called: the recorder's time_created_ns, time.time_ns()'s clock)}; empty if
             the rank did not end normally.
         channel_bytes: what its script moved where the flight recorder does not look, counted at torch's
             classes: {"sent_bytes", "received_bytes"} of point-to-point calls (however reached), and

@@ -29,7 +29,7 @@ PLAN = (
     ("warm launch", "a warm nccl launch (one rank per GPU, at most 2): an all_reduce on the GPUs, and the warm "
                     "process never initialised CUDA before the fork (torch.cuda._is_in_bad_fork() false)"),
     ("cold launch", "the same all_reduce launched cold (--cold)"),
-    ("lessons 0-6", "with 2 GPUs or more: every lesson whole, as scripts/launch_lesson.sh N runs it (nccl by "
+    ("lessons 0-7", "with 2 GPUs or more: every lesson whole, as scripts/launch_lesson.sh N runs it (nccl by "
                     "default, the checks included); with one GPU: every %%torchrun cell whose world can be 1, "
                     "on nccl at world 1 (--backend nccl -n 1), without the checks that need 2 ranks"),
     ("exercise checker", "lesson 0's exercise on nccl (and again on 3 CPU ranks): the solution judged right, the cell as given judged wrong "

@@ -59,7 +59,8 @@ LESSON_EXPECTATIONS = {
     "04": ("\u2713 the final parameters are bitwise those of the run without a kill, on every rank",
            "ran twice: before the kill and again after the restart", 3),
     "05": ("\u2713 and the report names the ranks that never called it", "the run hangs. The ranks disagree", 1),
-    "06": ("\u2022 fp16 sent exactly half the bytes in every step", "not half. Section 5 measured what DDP can send", 5),
+    "06": ("\u2022 fp16 sent exactly half the bytes in every step", "not half. Section 5 measured what DDP can send", 5),    "07": ("\u2713 at every cap, on every rank, your buckets made as many all-reduces a step as torch DDP's",
+           "no rank all-reduced a gradient", 2),
 }
 # Seconds with no cell running and cells left unrun after which Run All has stopped at an error (Run All
 # queues every cell at once, so between two cells some cell is always queued or running).

@@ -11,7 +11,7 @@ from support import course_notebooks
 
 NOTEBOOKS = course_notebooks()
 QUESTIONS = quizzes.LESSON_2
-EVERY_QUESTION = [q for n in range(7) for q in getattr(quizzes, f"LESSON_{n}")]
+EVERY_QUESTION = [q for n in range(8) for q in getattr(quizzes, f"LESSON_{n}")]
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)

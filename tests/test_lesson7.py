@@ -1,0 +1,174 @@
+"""Lesson 7's exercise (MyDDP, bucketed and overlapped): the solution passes, and each wrong fix fails with a
+hint that names its mistake. Every run is a real 2-rank launch on CPU; the checker reads its flight recorder."""
+
+import pytest
+
+from ddp_helpers.lessons.lesson7_exercise import BUCKET_CAP_BYTES, STEPS, accepted_buckets, check_my_ddp_exercise
+from support import exercise_cells, failure_report, run_on_cpu
+
+CLASS_START = "class MyDDP(torch.nn.Module):"
+
+
+@pytest.fixture(scope="module")
+def given():
+    _, script, (solution,) = exercise_cells("07_build_your_own_ddp.ipynb")
+    start, end = script.index(CLASS_START), script.index("\n\n\nmodel = ")
+    return script[:start], solution.strip("\n"), script[end:]
+
+
+def judged(write_script, given, my_ddp: str):
+    head, _, tail = given
+    run = run_on_cpu(write_script("exercise", head + my_ddp + tail), stream=False, timeout_s=120)
+    assert run.ok, failure_report(run)
+    return check_my_ddp_exercise(run)
+
+
+def test_the_two_readings_of_a_cap_make_different_buckets_of_the_same_values():
+    readings = list(accepted_buckets().values())
+    assert readings[0] != readings[1] and sum(readings[0]) == sum(readings[1])
+    assert all(1 < len(buckets) < 8 for buckets in readings)  # neither one per parameter nor one for the model
+
+
+def test_the_given_skeleton_is_judged_wrong(write_script, given):
+    head, _, tail = given
+    run = run_on_cpu(write_script("exercise", head + given_class(write_script) + tail), stream=False, timeout_s=120)
+    report = check_my_ddp_exercise(run)
+    assert not report.passed and "no rank all-reduced a gradient" in str(report), str(report)
+    assert len(report.mistakes) == 1
+
+
+def given_class(write_script) -> str:
+    _, script, _ = exercise_cells("07_build_your_own_ddp.ipynb")
+    return script[script.index(CLASS_START):script.index("\n\n\nmodel = ")]
+
+
+def test_the_solution_passes(write_script, given):
+    report = judged(write_script, given, given[1])
+    assert report.passed, str(report)
+    assert "3 buckets a step" in str(report) and "started while the backward was still computing" in str(report)
+
+
+NEVER_OVER_THE_CAP = ("""            current.append(parameter)
+            size += parameter.numel() * parameter.element_size()
+            if size >= bucket_cap_bytes:  # as torch DDP: a bucket closes once it holds the cap
+                self.buckets.append(current)
+                current, size = [], 0""", """            nbytes = parameter.numel() * parameter.element_size()
+            if current and size + nbytes > bucket_cap_bytes:  # never over the cap
+                self.buckets.append(current)
+                current, size = [], 0
+            current.append(parameter)
+            size += nbytes""")
+
+
+def test_buckets_never_over_the_cap_pass_too(write_script, given):
+    report = judged(write_script, given, given[1].replace(*NEVER_OVER_THE_CAP))
+    assert report.passed, str(report)
+    assert "never over the cap" in str(report)
+
+
+def test_an_all_reduce_then_divide_route_passes(write_script, given):
+    solution = given[1].replace(
+        "flat = torch.cat([p.grad.flatten() for p in bucket]) / dist.get_world_size()",
+        "flat = torch.cat([p.grad.flatten() for p in bucket])").replace(
+        "            handle.wait()\n", "            handle.wait()\n            flat /= dist.get_world_size()\n")
+    assert solution != given[1]
+    report = judged(write_script, given, solution)
+    assert report.passed, str(report)
+
+
+WRAPPED_IN_TORCH_DDP = '''class MyDDP(torch.nn.Module):
+    def __init__(self, module, bucket_cap_bytes):
+        super().__init__()
+        from torch.nn.parallel import DistributedDataParallel
+        self.inner = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_bytes / 2**20)
+
+    def forward(self, *inputs):
+        return self.inner(*inputs)
+
+    def finish_gradient_synchronization(self):
+        pass'''
+
+ONE_FLAT_ALL_REDUCE_AFTER_BACKWARD = '''class MyDDP(torch.nn.Module):
+    def __init__(self, module, bucket_cap_bytes):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs):
+        return self.module(*inputs)
+
+    def finish_gradient_synchronization(self):
+        grads = [p.grad for p in self.module.parameters()]
+        flat = torch.cat([g.flatten() for g in grads]) / dist.get_world_size()
+        dist.all_reduce(flat)
+        for g, averaged in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(averaged.view_as(g))'''
+
+PER_PARAMETER_ALL_REDUCES = '''class MyDDP(torch.nn.Module):
+    def __init__(self, module, bucket_cap_bytes):
+        super().__init__()
+        self.module = module
+        self.handles = []
+        for parameter in module.parameters():
+            parameter.register_post_accumulate_grad_hook(self._ready)
+
+    def _ready(self, parameter):
+        parameter.grad /= dist.get_world_size()
+        self.handles.append(dist.all_reduce(parameter.grad, async_op=True))
+
+    def forward(self, *inputs):
+        return self.module(*inputs)
+
+    def finish_gradient_synchronization(self):
+        for handle in self.handles:
+            handle.wait()
+        self.handles.clear()'''
+
+BUCKETS_AFTER_BACKWARD = '''class MyDDP(torch.nn.Module):
+    def __init__(self, module, bucket_cap_bytes):
+        super().__init__()
+        self.module = module
+        self.buckets, current, size = [], [], 0
+        for parameter in reversed(list(module.parameters())):
+            current.append(parameter)
+            size += parameter.numel() * parameter.element_size()
+            if size >= bucket_cap_bytes:
+                self.buckets.append(current)
+                current, size = [], 0
+        if current:
+            self.buckets.append(current)
+
+    def forward(self, *inputs):
+        return self.module(*inputs)
+
+    def finish_gradient_synchronization(self):
+        for bucket in self.buckets:
+            flat = torch.cat([p.grad.flatten() for p in bucket]) / dist.get_world_size()
+            dist.all_reduce(flat)
+            for parameter, averaged in zip(bucket, flat.split([p.numel() for p in bucket])):
+                parameter.grad.copy_(averaged.view_as(parameter.grad))'''
+
+
+@pytest.mark.parametrize("name, change, said", [
+    ("torch's DDP inside", lambda solution: WRAPPED_IN_TORCH_DDP, "wrapped the model in torch's DistributedDataParallel"),
+    ("one flat all-reduce after backward", lambda solution: ONE_FLAT_ALL_REDUCE_AFTER_BACKWARD,
+     "one of the whole model per step"),
+    ("per-parameter all-reduces", lambda solution: PER_PARAMETER_ALL_REDUCES, "one per parameter"),
+    ("buckets after the backward", lambda solution: BUCKETS_AFTER_BACKWARD, "nothing overlapped"),
+    ("a sum, not an average", lambda solution: solution.replace(" / dist.get_world_size()", ""),
+     "summed their gradients and did not average"),
+    ("no wait()", lambda solution: solution.replace("            handle.wait()\n", ""), "ended with different weights"),
+    ("buckets in forward order", lambda solution: solution.replace("reversed(list(module.parameters()))",
+                                                                   "list(module.parameters())"),
+     "not the buckets a cap of"),
+])
+def test_wrong_fixes_fail_with_a_hint_that_names_the_mistake(write_script, given, name, change, said):
+    wrong = change(given[1])
+    assert wrong != given[1]
+    report = judged(write_script, given, wrong)
+    assert not report.passed and said in str(report), f"{name}:\n{report}"
+
+
+def test_the_buckets_the_checker_expects_fit_the_cap():
+    for buckets in accepted_buckets().values():
+        assert sum(buckets) == sum(p for p in [2048, 64, 4096, 64, 4096, 64, 64, 1])
+    assert BUCKET_CAP_BYTES == 16 * 1024 and STEPS >= 10

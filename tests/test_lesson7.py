@@ -3,7 +3,8 @@ hint that names its mistake. Every run is a real 2-rank launch on CPU; the check
 
 import pytest
 
-from ddp_helpers.lessons.lesson7_exercise import BUCKET_CAP_BYTES, STEPS, accepted_buckets, check_my_ddp_exercise
+from ddp_helpers.lessons.lesson7_checker import accepted_buckets, check_my_ddp_exercise
+from ddp_helpers.lessons.lesson7_exercise import BUCKET_CAP_BYTES, STEPS
 from support import exercise_cells, failure_report, run_on_cpu
 
 CLASS_START = "class MyDDP(torch.nn.Module):"
@@ -45,7 +46,7 @@ def given_class(write_script) -> str:
 def test_the_solution_passes(write_script, given):
     report = judged(write_script, given, given[1])
     assert report.passed, str(report)
-    assert "3 buckets a step" in str(report) and "started while the backward was still computing" in str(report)
+    assert "3 buckets a step" in str(report) and "ran while it went on computing gradients" in str(report)
 
 
 NEVER_OVER_THE_CAP = ("""            current.append(parameter)
@@ -149,17 +150,31 @@ BUCKETS_AFTER_BACKWARD = '''class MyDDP(torch.nn.Module):
 
 
 @pytest.mark.parametrize("name, change, said", [
-    ("torch's DDP inside", lambda solution: WRAPPED_IN_TORCH_DDP, "wrapped the model in torch's DistributedDataParallel"),
+    ("torch's DDP inside", lambda solution: WRAPPED_IN_TORCH_DDP, "used torch's DistributedDataParallel"),
+    ("torch's DDP inside, without its check at the wrap", lambda solution: WRAPPED_IN_TORCH_DDP.replace(
+        "bucket_cap_mb=bucket_cap_bytes / 2**20)", "bucket_cap_mb=bucket_cap_bytes / 2**20, init_sync=False)"),
+     "used torch's DistributedDataParallel"),
+    ("every rank's batch gathered at the start", lambda solution: solution.replace(
+        "        self.module = module\n",
+        "        self.module = module\n        from ddp_helpers import rank_secret\n"
+        "        self.secrets = [None] * dist.get_world_size()\n"
+        "        dist.all_gather_object(self.secrets, rank_secret())\n", 1),
+     "data crossed between the ranks outside the gradients' buckets"),
     ("one flat all-reduce after backward", lambda solution: ONE_FLAT_ALL_REDUCE_AFTER_BACKWARD,
-     "one of the whole model per step"),
+     "the whole model at once"),
     ("per-parameter all-reduces", lambda solution: PER_PARAMETER_ALL_REDUCES, "one per parameter"),
     ("buckets after the backward", lambda solution: BUCKETS_AFTER_BACKWARD, "nothing overlapped"),
     ("a sum, not an average", lambda solution: solution.replace(" / dist.get_world_size()", ""),
      "summed their gradients and did not average"),
-    ("no wait()", lambda solution: solution.replace("            handle.wait()\n", ""), "ended with different weights"),
+    ("no wait()", lambda solution: solution.replace("            handle.wait()\n", ""),
+     "with no wait for the last all-reduce"),
+    ("a wait in the hook", lambda solution: solution.replace(
+        "            self.launched.append((dist.all_reduce(flat, async_op=True), flat, bucket))\n",
+        "            self.launched.append((dist.all_reduce(flat, async_op=True), flat, bucket))\n"
+        "            self.launched[-1][0].wait()\n"), "the backward stood still while each one ran"),
     ("buckets in forward order", lambda solution: solution.replace("reversed(list(module.parameters()))",
                                                                    "list(module.parameters())"),
-     "not the buckets a cap of"),
+     "not in the buckets a cap of"),
 ])
 def test_wrong_fixes_fail_with_a_hint_that_names_the_mistake(write_script, given, name, change, said):
     wrong = change(given[1])
@@ -172,3 +187,15 @@ def test_the_buckets_the_checker_expects_fit_the_cap():
     for buckets in accepted_buckets().values():
         assert sum(buckets) == sum(p for p in [2048, 64, 4096, 64, 4096, 64, 64, 1])
     assert BUCKET_CAP_BYTES == 16 * 1024 and STEPS >= 10
+
+
+def test_one_bucket_in_flight_at_a_time_still_overlaps(write_script, given):
+    # Waiting for the previous bucket when the next one is launched bounds the memory in flight: each bucket
+    # still runs while the backward computes the next one's gradients.
+    solution = given[1].replace(
+        "            self.launched.append((dist.all_reduce(flat, async_op=True), flat, bucket))\n",
+        "            if self.launched:\n                self.launched[-1][0].wait()\n"
+        "            self.launched.append((dist.all_reduce(flat, async_op=True), flat, bucket))\n")
+    assert solution != given[1]
+    report = judged(write_script, given, solution)
+    assert report.passed, str(report)

@@ -4,6 +4,7 @@ colours (`output.RANK_COLORS`); series that are not ranks use `plots.series_colo
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 from ..output import rank_color
 from ..plots import series_color
@@ -47,6 +48,7 @@ def plot_bucket_sweep(rows: list[dict]):
         ax.set_xticks(list(positions), labels)
         ax.set_xlabel("bucket cap")
         ax.set_ylabel(label)
+    right.yaxis.set_major_locator(MaxNLocator(integer=True))
     right.legend(fontsize=8, frameon=False)
     fig.suptitle("Buckets: the same bytes in fewer, larger all-reduces (rank 0)", fontsize=10, x=0.01, ha="left")
     fig.tight_layout()

@@ -237,8 +237,8 @@ LESSON_7 = [
              "async_op=True returns before the all-reduce is done; it writes the result into the tensor later, from "
              "gloo's thread or nccl's stream. Only after wait() does .grad hold the average on every rank.",
              "What does async_op=True return, and when is the tensor's value final?"),
-    Question("A model's parameters, in reverse order, hold 4, 300, 300 and 600 KiB of gradients. Into how many buckets "
-             "does torch DDP's rule put them with a 512 KiB cap (a bucket closes once it holds at least the cap)?",
+    Question("In the order the backward produces them, a model's gradients hold 4, 300, 300 and 600 KiB. Into how many "
+             "buckets does torch DDP's rule put them with a 512 KiB cap (a bucket closes once it holds at least the cap)?",
              ("2", "3", "4"), 0,
              "4 + 300 = 304 KiB stays open; adding 300 makes 604 KiB, which reaches the cap and closes the first "
              "bucket; 600 KiB alone reaches it again: 2 buckets.",
@@ -248,12 +248,12 @@ LESSON_7 = [
               "ready: with one big bucket nothing overlaps the backward", "gloo refuses tensors over 25 MiB"), 1,
              "The bytes are the same at every cap. Fewer buckets pay the latency fewer times, but start later; with "
              "one bucket, all the communication comes after the backward.",
-             "Look at when the last bucket can start in section 3's text."),
+             "What must be ready before a bucket's all-reduce can start?"),
     Question("With ZeRO-1 on 4 ranks and Adam, what does each rank keep, against plain DDP?",
              ("A quarter of the parameters", "All the parameters and gradients, and about a quarter of Adam's state",
               "A quarter of the gradients"), 1,
              "Stage 1 shards only the optimizer's state: every rank still holds the whole model and averages every "
              "gradient, and each owner broadcasts the parameters it updated. Stage 2 shards the gradients, "
              "stage 3 (FSDP) the parameters too.",
-             "Which tensors did section 5's cell measure per rank?"),
+             "Which of the model's tensors does stage 1 shard, and which does it leave whole?"),
 ]

@@ -1,0 +1,275 @@
+"""Lesson 7's exercise checker: the learner's MyDDP judged on what the run did (`check_my_ddp_exercise`).
+
+It computes the intended training itself, in one process (`exercise_reference`), and judges:
+- torch's own DDP not used (a `Reducer` built, or DDP's check of the parameters at the wrap in the flight
+  recorder: an all_gather of one int64, then a broadcast of int64 metadata), and nothing passed around the
+  collectives (a key-value store, point-to-point sends, files);
+- the collectives: before the first all-reduce, floating-point broadcasts only (the starting weights);
+  after it, all-reduces only, in buckets of the cap, counted over the whole run in torch's flight recorder
+  as one of the two readings of "buckets up to a cap" (`accepted_buckets`);
+- the weights: every rank's bitwise equal, and the reference's to float32's summation order (a sum instead of
+  an average named);
+- the overlap: in every step, an all-reduce created (the flight recorder's clock) while the backward was
+  accumulating gradients, and not waited for before the next gradient was accumulated;
+- the wait: in every step, a wait for a collective after the step's last all-reduce started and before
+  the optimizer stepped (without it, the step may read a bucket before its average has arrived);
+- and, when all of that holds, the same script again on 3 ranks: an average hard-wired for 2 does not pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..exercises import ExerciseReport, rank_secrets, side_channels
+from ..flight_recorder import ALL_REDUCE_OPS
+from ..result import RunResult
+from .lesson7_exercise import (BACKWARD_FACT, BUCKET_CAP_BYTES, STEPS, WEIGHT_TOLERANCE, plain_model,
+                               exercise_reference)
+
+SECOND_WORLD = 3
+SECOND_WORLD_TIMEOUT_S = 120
+FLOATING = ("float", "double", "half", "bfloat16", "float32", "float64", "float16")
+
+
+def accepted_buckets(cap_bytes: int = BUCKET_CAP_BYTES) -> dict[str, list[int]]:
+    """The gradients' element count in each bucket, parameters in reverse order, under the two readings of
+    "buckets up to a cap": torch DDP's (a bucket closes once it holds at least the cap: reducer.cpp's
+    compute_bucket_assignment_by_size) and "never over the cap" (a parameter larger than the cap alone)."""
+    sizes = [(p.numel(), p.numel() * p.element_size()) for p in reversed(list(plain_model().parameters()))]
+    at_least, never_over = [], []
+    count = size = 0
+    for numel, nbytes in sizes:  # DDP's rule
+        count, size = count + numel, size + nbytes
+        if size >= cap_bytes:
+            at_least.append(count)
+            count = size = 0
+    at_least += [count] if count else []
+    count = size = 0
+    for numel, nbytes in sizes:
+        if count and size + nbytes > cap_bytes:
+            never_over.append(count)
+            count = size = 0
+        count, size = count + numel, size + nbytes
+    never_over.append(count)
+    return {"closed once at least the cap (torch DDP's rule)": at_least, "never over the cap": never_over}
+
+
+def gradient_all_reduces(collectives) -> list[dict]:
+    """A rank's all-reduces, in order: in this exercise every one carries gradients (the loop logs no loss)."""
+    return [c for c in collectives if c["op"] in ALL_REDUCE_OPS]
+
+
+def _values(call: dict) -> int:
+    return sum(math.prod(shape) for shape in call["shapes"])
+
+
+def wrapped_torch_ddp(collectives) -> bool:
+    """Whether a rank's collectives show torch DDP's wrap: its check of the parameters across the ranks
+    (`_verify_param_shape_across_processes`: an all_gather of one int64, then a broadcast of int64 metadata)."""
+    ops = [(c["op"], c["shapes"], c["dtypes"]) for c in collectives]
+    return any(op == "all_gather" and shapes == [[1]] and dtypes[:1] in (["long"], ["int64"])
+               and ops[i + 1][0] == "broadcast" and ops[i + 1][2][:1] in (["long"], ["int64"])
+               for i, (op, shapes, dtypes) in enumerate(ops[:-1]))
+
+
+def check_my_ddp_exercise(run: RunResult, *, second_world: bool = True) -> ExerciseReport:
+    """Name what is wrong with the learner's MyDDP, or confirm it (see the module docstring)."""
+    report = ExerciseReport(verdict_when_passed="All checks pass: your MyDDP trains as DDP does, in buckets of the "
+                                                "cap, overlapped with the backward, at two world sizes.")
+    if not run.ok:
+        report.mistakes.append("the run failed; fix the error shown above first")
+        return report
+    if len(run.ranks) < 2:
+        report.mistakes.append("run it on 2 or more ranks: with one there is nothing to average")
+        return report
+    if not _judge(run, report) or not second_world:
+        return report
+    from .. import run_script
+
+    other = SECOND_WORLD if len(run.ranks) != SECOND_WORLD else 2
+    again = run_script(run.config.script, nproc=other, backend="gloo", stream=False, timeout_s=SECOND_WORLD_TIMEOUT_S,
+                       run_dir=run.run_dir.with_name(f"{run.run_dir.name}-at-{other}"))
+    if not again.ok:
+        report.mistakes.append(f"run again by the checker on {other} ranks, the cell failed: {again.summary()[:300]}")
+        return report
+    before = len(report.confirmed)
+    if _judge(again, report):
+        report.confirmed[before:] = [f"and again on {other} ranks, run by the checker: every check above holds"]
+    else:
+        report.confirmed[before:] = []
+        report.mistakes[:] = [f"run again by the checker on {other} ranks: {m}" for m in report.mistakes]
+    return report
+
+
+def _judge(run: RunResult, report: ExerciseReport) -> bool:
+    """Add the verdicts on one run to `report`; whether it passed."""
+    mistakes = len(report.mistakes)
+    if any("weights" not in r.facts or BACKWARD_FACT not in r.facts for r in run.ranks):
+        report.mistakes.append("keep the model from exercise_model(), the training loop and the record(\"weights\", "
+                               "...) line: the checker reads every rank's weights and when each backward ran")
+        return False
+    secrets = rank_secrets(run, report)
+    if secrets is None:
+        return False
+    if any(r.facts[BACKWARD_FACT]["reducers_built"] or wrapped_torch_ddp(r.collectives) for r in run.ranks):
+        report.mistakes.append("the run used torch's DistributedDataParallel (its Reducer was built, or the flight "
+                               "recorder shows its check of the parameters at the wrap): the exercise is to do its "
+                               "work in MyDDP yourself")
+        return False
+    around = side_channels(run) or _other_collectives(run)
+    if around:
+        report.mistakes.append(around)
+        return False
+    if not any(gradient_all_reduces(r.collectives) for r in run.ranks):
+        report.mistakes.append("no rank all-reduced a gradient: each rank stepped with its own batch's gradient alone, "
+                               "and the ranks drifted apart")
+        return False
+    _judge_weights(run, report, secrets)
+    if _judge_buckets(run, report):
+        _judge_overlap(run, report)
+        _judge_waits(run, report)
+    return len(report.mistakes) == mistakes
+
+
+def _other_collectives(run: RunResult) -> str | None:
+    """A mistake naming a collective that is neither a gradient bucket's all-reduce nor, before the first one,
+    a broadcast of floating-point values (the starting weights), or None."""
+    for r in run.ranks:
+        started = False
+        for call in r.collectives:
+            started = started or call["op"] in ALL_REDUCE_OPS
+            allowed = (call["op"] in ALL_REDUCE_OPS or "barrier" in call["op"]
+                       or (not started and call["op"] == "broadcast" and set(call["dtypes"]) <= set(FLOATING)))
+            if not allowed:
+                return (f"rank {r.rank} called {call['op']} ({_values(call):,} {'/'.join(call['dtypes'])} values) "
+                        + ("during the training" if started else "before it") + ": data crossed between the ranks "
+                        "outside the gradients' buckets. Only the buckets' all-reduces (and a broadcast of the "
+                        "starting weights) are judged")
+    return None
+
+
+def _distance(a, b) -> float:
+    return math.sqrt(sum(float((x - y).square().sum()) for x, y in zip(a, b)))
+
+
+def _judge_weights(run: RunResult, report: ExerciseReport, secrets: list[int]) -> None:
+    import torch
+
+    weights = [[w.cpu().float() for w in r.facts["weights"]] for r in run.ranks]
+    if any(len(w) != len(weights[0]) or any(not torch.equal(a, b) for a, b in zip(w, weights[0])) for w in weights):
+        report.mistakes.append("the ranks ended with different weights: every rank must step with the same averaged "
+                               "gradients. Was each all-reduce's result used only after it had finished, and did "
+                               "every gradient get its bucket's result?")
+        return
+    reference = exercise_reference(secrets)
+    if [w.shape for w in weights[0]] != [r.shape for r in reference]:
+        report.mistakes.append("the recorded weights are not the exercise model's: keep its model and record line")
+        return
+    moved = _distance(reference, [p.detach() for p in plain_model().parameters()])
+    off = _distance(weights[0], reference)
+    if off <= WEIGHT_TOLERANCE * moved:
+        report.confirmed.append(f"every rank ended with bitwise the same weights, those of one process training on "
+                                f"every rank's data, to {off / moved:.0e} of how far training moved them (float32's "
+                                "summation order)")
+    elif _distance(weights[0], exercise_reference(secrets, summed=True)) <= WEIGHT_TOLERANCE * moved:
+        report.mistakes.append(f"the ranks summed their gradients and did not average them: the weights are those of "
+                               f"a {len(run.ranks)} times larger learning rate")
+    else:
+        report.mistakes.append(f"every rank ended with the same weights, but {off / moved:.0%} of the training's "
+                               "distance away from one process training on every rank's data: a gradient was "
+                               "stepped with something other than the average over the ranks")
+
+
+def _judge_buckets(run: RunResult, report: ExerciseReport) -> bool:
+    accepted = accepted_buckets()
+    parameter_sizes = {p.numel() for p in plain_model().parameters()}
+    for r in run.ranks:
+        calls = gradient_all_reduces(r.collectives)
+        sizes = [_values(c) for c in calls]
+        if r.collectives[0].get("number", 1) != 1:
+            report.mistakes.append(f"rank {r.rank}: torch's flight recorder no longer holds the run's first collectives "
+                                   "(it keeps the last 2000, or TORCH_FR_BUFFER_SIZE): was it flooded, or its size "
+                                   "changed? The buckets cannot be counted from a partial record")
+            return False
+        first = calls[0]
+        later = [c for c in r.collectives[r.collectives.index(first):]
+                 if c["op"] not in ALL_REDUCE_OPS and "barrier" not in c["op"] and _values(c) > 1]
+        if later:
+            report.mistakes.append(f"rank {r.rank}: after its first gradient all-reduce it also called {later[0]['op']} "
+                                   f"({_values(later[0]):,} values): the gradients' average must come from the "
+                                   "buckets' all-reduces alone")
+            return False
+        for rule, buckets in accepted.items():
+            per_step = len(buckets)
+            if len(sizes) == STEPS * per_step and all(
+                    sorted(sizes[i:i + per_step]) == sorted(buckets) for i in range(0, len(sizes), per_step)):
+                break
+        else:
+            if all(size in parameter_sizes for size in sizes) and len(sizes) > STEPS * max(map(len, accepted.values())):
+                said = f"{len(sizes)} times in {STEPS} steps, one per parameter: the cap did not group them"
+            elif len(sizes) == STEPS:
+                said = f"{len(sizes)} times in {STEPS} steps, the whole model at once: the cap did not split it"
+            else:
+                said = f"{len(sizes)} times in {STEPS} steps, not in the buckets a cap of {BUCKET_CAP_BYTES:,} bytes makes"
+            report.mistakes.append(
+                f"rank {r.rank} all-reduced its gradients {said}. Parameters in reverse order, in buckets of about "
+                f"{BUCKET_CAP_BYTES:,} bytes, make " + " or ".join(f"{len(b)} a step ({rule})" for rule, b in accepted.items()))
+            return False
+    report.confirmed.append(f"every rank all-reduced its gradients in {len(sizes) // STEPS} buckets a step ({rule}), "
+                            f"{len(sizes)} all-reduces in {STEPS} steps, as torch's flight recorder saw them")
+    return True
+
+
+def _judge_overlap(run: RunResult, report: ExerciseReport) -> None:
+    """In every step, some all-reduce started while the backward was accumulating gradients, and ran while it
+    went on: no wait for it before the next gradient was accumulated (a wait in a hook stops the backward)."""
+    running = []
+    for r in run.ranks:
+        steps = r.facts[BACKWARD_FACT]["steps"]
+        created = [c.get("started_ns") for c in gradient_all_reduces(r.collectives)]
+        if None in created:
+            report.mistakes.append("this torch's flight recorder does not time its entries: the overlap cannot be judged")
+            return
+        inside = [[t for t in created if step["accumulated_ns"][0] <= t <= step["accumulated_ns"][-1]] for step in steps]
+        if len(steps) < STEPS or not all(inside):
+            late = sum(not started for started in inside) + max(0, STEPS - len(steps))
+            report.mistakes.append(
+                f"rank {r.rank}: in {late} of {STEPS} steps no all-reduce started while the backward was still "
+                "computing gradients: every bucket waited for the whole backward, and nothing overlapped")
+            return
+        ran_on = [sum(_ran_while_backward_went_on(t, step) for t in started) for step, started in zip(steps, inside)]
+        if min(ran_on) == 0:
+            report.mistakes.append(
+                f"rank {r.rank}: in {sum(n == 0 for n in ran_on)} of {STEPS} steps every all-reduce started inside the "
+                "backward was waited for before the next gradient was computed: the backward stood still while each "
+                "one ran, and nothing overlapped")
+            return
+        running += ran_on
+    per_step = len(gradient_all_reduces(run.ranks[0].collectives)) // STEPS
+    report.confirmed.append(f"in every step, on every rank, {min(running)} to {max(running)} of the {per_step} buckets' "
+                            "all-reduces started inside the backward and ran while it went on computing gradients")
+
+
+def _ran_while_backward_went_on(created_ns: int, step: dict) -> bool:
+    """Whether an all-reduce created at `created_ns` was not waited for before the backward accumulated its next
+    gradient."""
+    following = [t for t in step["accumulated_ns"] if t > created_ns]
+    return bool(following) and not any(created_ns < w < following[0] for w in step["waited_ns"])
+
+
+def _judge_waits(run: RunResult, report: ExerciseReport) -> None:
+    """In every step, a wait for a collective came after the step's last all-reduce started and before the
+    optimizer stepped: an async all-reduce's result is only there once waited for."""
+    for r in run.ranks:
+        steps = r.facts[BACKWARD_FACT]["steps"]
+        created = [c["started_ns"] for c in gradient_all_reduces(r.collectives)]
+        unwaited = 0
+        for step in steps:
+            mine = [t for t in created if step["accumulated_ns"][0] <= t <= step["stepped_ns"]]
+            if mine and not any(max(mine) < w < step["stepped_ns"] for w in step["waited_ns"]):
+                unwaited += 1
+        if unwaited:
+            report.mistakes.append(
+                f"rank {r.rank}: in {unwaited} of {len(steps)} steps the optimizer stepped with no wait for the last "
+                "all-reduce: its result may not have arrived when the step read the gradients")
+            return

@@ -19,6 +19,10 @@ MAX_CALLS = 1000
 MAX_VALUES = 64
 
 calls: list[dict] = []
+# Set by a checker's rank-side code (lesson 7's exercise model): log every call's sum too, whatever its size,
+# so the checker can tell that a rank all-reduced its own gradients, not zeros or other numbers for show.
+# Off by default: a sum is a pass over the tensor, and lesson 6 times large all-reduces.
+log_sums = False
 
 
 def _entry(tensor, args, kwargs) -> dict:
@@ -27,6 +31,8 @@ def _entry(tensor, args, kwargs) -> dict:
              "op": "SUM" if op is None else str(op).rsplit(".", 1)[-1]}
     if tensor.numel() <= MAX_VALUES and not _capturing(tensor):
         entry["values"] = tensor.detach().cpu().double().flatten().tolist()
+    elif log_sums and not _capturing(tensor):
+        entry["sum"] = float(tensor.detach().double().sum())
     return entry
 
 

@@ -17,11 +17,13 @@ def given():
     return script[:start], solution.strip("\n"), script[end:]
 
 
-def judged(write_script, given, my_ddp: str):
+def judged(write_script, given, my_ddp: str, second_world: bool = False):
+    """The checker's report on the given script with `my_ddp` for its class. The checker's second run, on 3
+    ranks, only where a test asks for it: it runs when everything else passed, and one test is enough."""
     head, _, tail = given
     run = run_on_cpu(write_script("exercise", head + my_ddp + tail), stream=False, timeout_s=120)
     assert run.ok, failure_report(run)
-    return check_my_ddp_exercise(run)
+    return check_my_ddp_exercise(run, second_world=second_world)
 
 
 def test_the_two_readings_of_a_cap_make_different_buckets_of_the_same_values():
@@ -43,9 +45,10 @@ def given_class(write_script) -> str:
     return script[script.index(CLASS_START):script.index("\n\n\nmodel = ")]
 
 
-def test_the_solution_passes(write_script, given):
-    report = judged(write_script, given, given[1])
+def test_the_solution_passes_at_two_world_sizes(write_script, given):
+    report = judged(write_script, given, given[1], second_world=True)
     assert report.passed, str(report)
+    assert "and again on 3 ranks" in str(report) and "carried its own batch's gradients" in str(report)
     assert "3 buckets a step" in str(report) and "ran while it went on computing gradients" in str(report)
 
 
@@ -199,3 +202,69 @@ def test_one_bucket_in_flight_at_a_time_still_overlaps(write_script, given):
     assert solution != given[1]
     report = judged(write_script, given, solution)
     assert report.passed, str(report)
+
+
+ZERO_BUCKETS_FOR_SHOW = '''class MyDDP(torch.nn.Module):
+    """Buckets of zeros sent for show; every rank's gradient computed here from every rank's secret."""
+
+    def __init__(self, module, bucket_cap_bytes):
+        super().__init__()
+        self.module, self.step, self.handles = module, 0, []
+        self.buckets, current, size = [], [], 0
+        for parameter in reversed(list(module.parameters())):
+            current.append(parameter)
+            size += parameter.numel() * parameter.element_size()
+            if size >= bucket_cap_bytes:
+                self.buckets.append(current)
+                current, size = [], 0
+        if current:
+            self.buckets.append(current)
+        self.bucket_of = {parameter: bucket for bucket in self.buckets for parameter in bucket}
+        self.ready = {id(bucket): 0 for bucket in self.buckets}
+        for parameter in module.parameters():
+            parameter.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def _gradient_ready(self, parameter):
+        bucket = self.bucket_of[parameter]
+        self.ready[id(bucket)] += 1
+        if self.ready[id(bucket)] == len(bucket):
+            self.ready[id(bucket)] = 0
+            zeros = torch.zeros(sum(p.numel() for p in bucket))
+            self.handles.append(dist.all_reduce(zeros, async_op=True))
+
+    def forward(self, *inputs):
+        return self.module(*inputs)
+
+    def finish_gradient_synchronization(self):
+        from ddp_helpers.lessons.lesson7_exercise import exercise_batch
+        from ddp_helpers.run_folder import RunFolder
+
+        folder, world = RunFolder.from_environment(), dist.get_world_size()
+        parameters = list(self.module.parameters())
+        total = [torch.zeros_like(p) for p in parameters]
+        for rank in range(world):
+            inputs, targets = exercise_batch(self.step, folder.read_secret(rank))
+            loss = torch.nn.functional.mse_loss(self.module(inputs), targets)
+            for t, g in zip(total, torch.autograd.grad(loss, parameters)):
+                t += g / world
+        for handle in self.handles:
+            handle.wait()
+        self.handles.clear()
+        for p, t in zip(parameters, total):
+            p.grad.copy_(t)
+        self.step += 1'''
+
+
+def test_buckets_sent_for_show_fail_though_the_weights_are_right(write_script, given):
+    # A rank that reads every rank's secret from the run folder can compute the whole batch's gradient itself;
+    # its buckets' all-reduces then carry zeros. The weights are right: what the buckets carried is not.
+    report = judged(write_script, given, ZERO_BUCKETS_FOR_SHOW)
+    assert not report.passed and "not its own batch's gradients" in str(report), str(report)
+    assert "weights, those of one process" in str(report), str(report)
+
+
+def test_an_average_hard_wired_for_two_ranks_fails_on_three(write_script, given):
+    hard_wired = given[1].replace(" / dist.get_world_size()", " * 0.5")
+    assert hard_wired != given[1]
+    report = judged(write_script, given, hard_wired, second_world=True)
+    assert not report.passed and "run again by the checker on 3 ranks" in str(report), str(report)

@@ -23,35 +23,44 @@ import math
 from ..exercises import ExerciseReport, rank_secrets, side_channels
 from ..flight_recorder import ALL_REDUCE_OPS
 from ..result import RunResult
-from .lesson7_exercise import (BACKWARD_FACT, BUCKET_CAP_BYTES, STEPS, WEIGHT_TOLERANCE, plain_model,
-                               exercise_reference)
+from .lesson7_exercise import (BACKWARD_FACT, BUCKET_CAP_BYTES, STEPS, WEIGHT_TOLERANCE, exercise_reference,
+                               local_gradients, plain_model)
 
 SECOND_WORLD = 3
 SECOND_WORLD_TIMEOUT_S = 120
 FLOATING = ("float", "double", "half", "bfloat16", "float32", "float64", "float16")
 
 
-def accepted_buckets(cap_bytes: int = BUCKET_CAP_BYTES) -> dict[str, list[int]]:
-    """The gradients' element count in each bucket, parameters in reverse order, under the two readings of
-    "buckets up to a cap": torch DDP's (a bucket closes once it holds at least the cap: reducer.cpp's
+def accepted_bucket_parameters(cap_bytes: int = BUCKET_CAP_BYTES) -> dict[str, list[list[int]]]:
+    """The parameters (indices in `model.parameters()`) of each bucket, in reverse order, under the two readings
+    of "buckets up to a cap": torch DDP's (a bucket closes once it holds at least the cap: reducer.cpp's
     compute_bucket_assignment_by_size) and "never over the cap" (a parameter larger than the cap alone)."""
-    sizes = [(p.numel(), p.numel() * p.element_size()) for p in reversed(list(plain_model().parameters()))]
+    parameters = list(plain_model().parameters())
+    order = [(index, parameters[index].numel() * parameters[index].element_size())
+             for index in reversed(range(len(parameters)))]
     at_least, never_over = [], []
-    count = size = 0
-    for numel, nbytes in sizes:  # DDP's rule
-        count, size = count + numel, size + nbytes
+    bucket, size = [], 0
+    for index, nbytes in order:  # DDP's rule
+        bucket, size = bucket + [index], size + nbytes
         if size >= cap_bytes:
-            at_least.append(count)
-            count = size = 0
-    at_least += [count] if count else []
-    count = size = 0
-    for numel, nbytes in sizes:
-        if count and size + nbytes > cap_bytes:
-            never_over.append(count)
-            count = size = 0
-        count, size = count + numel, size + nbytes
-    never_over.append(count)
+            at_least.append(bucket)
+            bucket, size = [], 0
+    at_least += [bucket] if bucket else []
+    bucket, size = [], 0
+    for index, nbytes in order:
+        if bucket and size + nbytes > cap_bytes:
+            never_over.append(bucket)
+            bucket, size = [], 0
+        bucket, size = bucket + [index], size + nbytes
+    never_over.append(bucket)
     return {"closed once at least the cap (torch DDP's rule)": at_least, "never over the cap": never_over}
+
+
+def accepted_buckets(cap_bytes: int = BUCKET_CAP_BYTES) -> dict[str, list[int]]:
+    """The number of values in each bucket, under each reading of the cap (`accepted_bucket_parameters`)."""
+    sizes = [p.numel() for p in plain_model().parameters()]
+    return {rule: [sum(sizes[i] for i in bucket) for bucket in buckets]
+            for rule, buckets in accepted_bucket_parameters(cap_bytes).items()}
 
 
 def gradient_all_reduces(collectives) -> list[dict]:
@@ -124,8 +133,11 @@ def _judge(run: RunResult, report: ExerciseReport) -> bool:
         report.mistakes.append("no rank all-reduced a gradient: each rank stepped with its own batch's gradient alone, "
                                "and the ranks drifted apart")
         return False
-    _judge_weights(run, report, secrets)
-    if _judge_buckets(run, report):
+    weights_right = _judge_weights(run, report, secrets)
+    rule = _judge_buckets(run, report)
+    if rule:
+        if weights_right:
+            _judge_contents(run, report, secrets, rule)
         _judge_overlap(run, report)
         _judge_waits(run, report)
     return len(report.mistakes) == mistakes
@@ -152,7 +164,7 @@ def _distance(a, b) -> float:
     return math.sqrt(sum(float((x - y).square().sum()) for x, y in zip(a, b)))
 
 
-def _judge_weights(run: RunResult, report: ExerciseReport, secrets: list[int]) -> None:
+def _judge_weights(run: RunResult, report: ExerciseReport, secrets: list[int]) -> bool:
     import torch
 
     weights = [[w.cpu().float() for w in r.facts["weights"]] for r in run.ranks]
@@ -160,17 +172,18 @@ def _judge_weights(run: RunResult, report: ExerciseReport, secrets: list[int]) -
         report.mistakes.append("the ranks ended with different weights: every rank must step with the same averaged "
                                "gradients. Was each all-reduce's result used only after it had finished, and did "
                                "every gradient get its bucket's result?")
-        return
+        return False
     reference = exercise_reference(secrets)
     if [w.shape for w in weights[0]] != [r.shape for r in reference]:
         report.mistakes.append("the recorded weights are not the exercise model's: keep its model and record line")
-        return
+        return False
     moved = _distance(reference, [p.detach() for p in plain_model().parameters()])
     off = _distance(weights[0], reference)
     if off <= WEIGHT_TOLERANCE * moved:
         report.confirmed.append(f"every rank ended with bitwise the same weights, those of one process training on "
                                 f"every rank's data, to {off / moved:.0e} of how far training moved them (float32's "
                                 "summation order)")
+        return True
     elif _distance(weights[0], exercise_reference(secrets, summed=True)) <= WEIGHT_TOLERANCE * moved:
         report.mistakes.append(f"the ranks summed their gradients and did not average them: the weights are those of "
                                f"a {len(run.ranks)} times larger learning rate")
@@ -178,9 +191,11 @@ def _judge_weights(run: RunResult, report: ExerciseReport, secrets: list[int]) -
         report.mistakes.append(f"every rank ended with the same weights, but {off / moved:.0%} of the training's "
                                "distance away from one process training on every rank's data: a gradient was "
                                "stepped with something other than the average over the ranks")
+    return False
 
 
-def _judge_buckets(run: RunResult, report: ExerciseReport) -> bool:
+def _judge_buckets(run: RunResult, report: ExerciseReport) -> str | None:
+    """The rule the buckets followed on every rank, or None with the mistake added."""
     accepted = accepted_buckets()
     parameter_sizes = {p.numel() for p in plain_model().parameters()}
     for r in run.ranks:
@@ -190,7 +205,7 @@ def _judge_buckets(run: RunResult, report: ExerciseReport) -> bool:
             report.mistakes.append(f"rank {r.rank}: torch's flight recorder no longer holds the run's first collectives "
                                    "(it keeps the last 2000, or TORCH_FR_BUFFER_SIZE): was it flooded, or its size "
                                    "changed? The buckets cannot be counted from a partial record")
-            return False
+            return None
         first = calls[0]
         later = [c for c in r.collectives[r.collectives.index(first):]
                  if c["op"] not in ALL_REDUCE_OPS and "barrier" not in c["op"] and _values(c) > 1]
@@ -198,7 +213,7 @@ def _judge_buckets(run: RunResult, report: ExerciseReport) -> bool:
             report.mistakes.append(f"rank {r.rank}: after its first gradient all-reduce it also called {later[0]['op']} "
                                    f"({_values(later[0]):,} values): the gradients' average must come from the "
                                    "buckets' all-reduces alone")
-            return False
+            return None
         for rule, buckets in accepted.items():
             per_step = len(buckets)
             if len(sizes) == STEPS * per_step and all(
@@ -214,10 +229,40 @@ def _judge_buckets(run: RunResult, report: ExerciseReport) -> bool:
             report.mistakes.append(
                 f"rank {r.rank} all-reduced its gradients {said}. Parameters in reverse order, in buckets of about "
                 f"{BUCKET_CAP_BYTES:,} bytes, make " + " or ".join(f"{len(b)} a step ({rule})" for rule, b in accepted.items()))
-            return False
+            return None
     report.confirmed.append(f"every rank all-reduced its gradients in {len(sizes) // STEPS} buckets a step ({rule}), "
                             f"{len(sizes)} all-reduces in {STEPS} steps, as torch's flight recorder saw them")
-    return True
+    return rule
+
+
+def _judge_contents(run: RunResult, report: ExerciseReport, secrets: list[int], rule: str) -> None:
+    """Each rank's all-reduces carried its own gradients: each call's sum (logged as `dist.all_reduce` was
+    handed it) is the sum of the rank's own share's gradients in one bucket, scaled by 1/W or not. Judged
+    when the weights are the intended training's: the gradients are then those of its trajectory."""
+    buckets = accepted_bucket_parameters()[rule]
+    gradients = local_gradients(secrets)
+    world = len(run.ranks)
+    for r in run.ranks:
+        # A small tensor's values are logged whole (`_all_reduce_log.MAX_VALUES`), a larger one's sum.
+        carried = [call["sum"] if "sum" in call else sum(call["values"]) if "values" in call else None
+                   for call in r.all_reduced]
+        if len(carried) != len(gradient_all_reduces(r.collectives)) or None in carried:
+            report.mistakes.append(f"rank {r.rank}: what its all-reduces carried could not be read: the checker reads "
+                                   "what each dist.all_reduce call is handed, and the flight recorder saw "
+                                   f"{len(gradient_all_reduces(r.collectives))} all-reduces against {len(carried)} such calls")
+            return
+        for step in range(STEPS):
+            own = gradients[step][r.rank]
+            expected = [(float(sum(own[i].double().sum() for i in bucket)),
+                         float(sum(own[i].double().abs().sum() for i in bucket))) for bucket in buckets]
+            for value in carried[step * len(buckets):(step + 1) * len(buckets)]:
+                if not any(abs(value - total * scale) <= 1e-4 * magnitude * scale + 1e-9
+                           for total, magnitude in expected for scale in (1.0, 1.0 / world)):
+                    report.mistakes.append(
+                        f"rank {r.rank}: in step {step} an all-reduce carried values that sum to {value:.6g}, not its own "
+                        "batch's gradients in a bucket: every rank must send the gradients it computed itself")
+                    return
+    report.confirmed.append("every rank's all-reduces carried its own batch's gradients, bucket by bucket")
 
 
 def _judge_overlap(run: RunResult, report: ExerciseReport) -> None:

@@ -75,10 +75,15 @@ _NOTES: dict = {"waited_ns": [], "reducers_built": 0}
 
 def _install_notes() -> dict:
     """Note (once per process) every wait for a collective (`Work.wait()`, which a blocking `dist.all_reduce`
-    calls too, and a future's `wait()`) and every `torch.distributed.Reducer` built (DDP builds one)."""
+    calls too, and a future's `wait()`), every `torch.distributed.Reducer` built (DDP builds one), and the sum
+    of what each `dist.all_reduce` was handed (`RankResult.all_reduced`)."""
     import torch
     import torch.distributed as dist
     from torch._C._distributed_c10d import Work
+
+    from .. import _all_reduce_log
+
+    _all_reduce_log.log_sums = True  # what each all-reduce carried: the checker compares with each rank's gradients
 
     for cls in (Work, torch._C.Future):
         if not getattr(cls.wait, "_noted", False):
@@ -122,6 +127,29 @@ def exercise_batch(step: int, secret: int):
 def my_batch(step: int):
     """In a rank: this rank's share of step `step`'s batch, from the secret only this rank's process is handed."""
     return exercise_batch(step, rank_secret())
+
+
+def local_gradients(secrets: list[int]) -> list[list[list]]:
+    """Each step's gradients of each rank's own share (its mean loss), at the intended training's weights before
+    that step: [step][rank][parameter]. What each rank's all-reduces must carry (scaled by 1/W, or not)."""
+    import torch
+
+    model = plain_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    steps = []
+    for step in range(STEPS):
+        shares = [exercise_batch(step, secret) for secret in secrets]
+        per_rank = []
+        for inputs, targets in shares:
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs), targets).backward()
+            per_rank.append([p.grad.detach().clone() for p in model.parameters()])
+        steps.append(per_rank)
+        with torch.no_grad():  # the step on the whole batch: the mean of the equal shares' gradients
+            for index, parameter in enumerate(model.parameters()):
+                parameter.grad = torch.stack([grads[index] for grads in per_rank]).mean(0)
+        optimizer.step()
+    return steps
 
 
 def exercise_reference(secrets: list[int], summed: bool = False) -> list:

@@ -67,7 +67,7 @@ NEVER_OVER_THE_CAP = ("""            current.append(parameter)
 def test_buckets_never_over_the_cap_pass_too(write_script, given):
     report = judged(write_script, given, given[1].replace(*NEVER_OVER_THE_CAP))
     assert report.passed, str(report)
-    assert "never over the cap" in str(report)
+    assert "never-over-the-cap rule" in str(report)
 
 
 def test_an_all_reduce_then_divide_route_passes(write_script, given):
@@ -170,7 +170,11 @@ BUCKETS_AFTER_BACKWARD = '''class MyDDP(torch.nn.Module):
     ("a sum, not an average", lambda solution: solution.replace(" / dist.get_world_size()", ""),
      "summed their gradients and did not average"),
     ("no wait()", lambda solution: solution.replace("            handle.wait()\n", ""),
-     "with no wait for the last all-reduce"),
+     "before every all-reduce of the step had been waited for"),
+    ("only the last bucket waited for", lambda solution: solution.replace(
+        "        for handle, flat, bucket in self.launched:\n            handle.wait()\n",
+        "        self.launched[-1][0].wait()\n        for handle, flat, bucket in self.launched:\n"),
+     "before every all-reduce of the step had been waited for"),
     ("a wait in the hook", lambda solution: solution.replace(
         "            self.launched.append((dist.all_reduce(flat, async_op=True), flat, bucket))\n",
         "            self.launched.append((dist.all_reduce(flat, async_op=True), flat, bucket))\n"

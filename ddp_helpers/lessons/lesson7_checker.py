@@ -53,7 +53,7 @@ def accepted_bucket_parameters(cap_bytes: int = BUCKET_CAP_BYTES) -> dict[str, l
             bucket, size = [], 0
         bucket, size = bucket + [index], size + nbytes
     never_over.append(bucket)
-    return {"closed once at least the cap (torch DDP's rule)": at_least, "never over the cap": never_over}
+    return {"torch DDP's rule": at_least, "the never-over-the-cap rule": never_over}
 
 
 def accepted_buckets(cap_bytes: int = BUCKET_CAP_BYTES) -> dict[str, list[int]]:
@@ -133,13 +133,25 @@ def _judge(run: RunResult, report: ExerciseReport) -> bool:
         report.mistakes.append("no rank all-reduced a gradient: each rank stepped with its own batch's gradient alone, "
                                "and the ranks drifted apart")
         return False
+    stepped = {len(r.facts[BACKWARD_FACT]["steps"]) for r in run.ranks}
+    if stepped != {STEPS}:
+        report.mistakes.append(f"the ranks' optimizers stepped {'/'.join(map(str, sorted(stepped)))} times, not "
+                               f"{STEPS}: keep the training loop as given")
+        return False
+    lost = [r.rank for r in run.ranks if not gradient_all_reduces(r.collectives) or r.collectives[0].get("number", 1) != 1]
+    if lost:
+        report.mistakes.append(f"torch's flight recorder holds no all-reduce of rank(s) {lost}, or no longer holds "
+                               "their first collectives (it keeps the last 2000, or TORCH_FR_BUFFER_SIZE): was it "
+                               "turned off, flooded, or its size changed? The buckets cannot be counted from a "
+                               "partial record")
+        return False
     weights_right = _judge_weights(run, report, secrets)
     rule = _judge_buckets(run, report)
     if rule:
         if weights_right:
             _judge_contents(run, report, secrets, rule)
-        _judge_overlap(run, report)
-        _judge_waits(run, report)
+        if _judge_overlap(run, report) is not None:
+            _judge_waits(run, report)
     return len(report.mistakes) == mistakes
 
 
@@ -154,9 +166,9 @@ def _other_collectives(run: RunResult) -> str | None:
                        or (not started and call["op"] == "broadcast" and set(call["dtypes"]) <= set(FLOATING)))
             if not allowed:
                 return (f"rank {r.rank} called {call['op']} ({_values(call):,} {'/'.join(call['dtypes'])} values) "
-                        + ("during the training" if started else "before it") + ": data crossed between the ranks "
-                        "outside the gradients' buckets. Only the buckets' all-reduces (and a broadcast of the "
-                        "starting weights) are judged")
+                        + ("during the training" if started else "before the training") + ": data crossed between "
+                        "the ranks outside the gradients' buckets. Only the buckets' all-reduces (and, before the "
+                        "training, broadcasts of the starting weights) are allowed")
     return None
 
 
@@ -188,7 +200,7 @@ def _judge_weights(run: RunResult, report: ExerciseReport, secrets: list[int]) -
         report.mistakes.append(f"the ranks summed their gradients and did not average them: the weights are those of "
                                f"a {len(run.ranks)} times larger learning rate")
     else:
-        report.mistakes.append(f"every rank ended with the same weights, but {off / moved:.0%} of the training's "
+        report.mistakes.append(f"every rank ended with the same weights, but {off / moved:.2g} of the training's "
                                "distance away from one process training on every rank's data: a gradient was "
                                "stepped with something other than the average over the ranks")
     return False
@@ -201,19 +213,6 @@ def _judge_buckets(run: RunResult, report: ExerciseReport) -> str | None:
     for r in run.ranks:
         calls = gradient_all_reduces(r.collectives)
         sizes = [_values(c) for c in calls]
-        if r.collectives[0].get("number", 1) != 1:
-            report.mistakes.append(f"rank {r.rank}: torch's flight recorder no longer holds the run's first collectives "
-                                   "(it keeps the last 2000, or TORCH_FR_BUFFER_SIZE): was it flooded, or its size "
-                                   "changed? The buckets cannot be counted from a partial record")
-            return None
-        first = calls[0]
-        later = [c for c in r.collectives[r.collectives.index(first):]
-                 if c["op"] not in ALL_REDUCE_OPS and "barrier" not in c["op"] and _values(c) > 1]
-        if later:
-            report.mistakes.append(f"rank {r.rank}: after its first gradient all-reduce it also called {later[0]['op']} "
-                                   f"({_values(later[0]):,} values): the gradients' average must come from the "
-                                   "buckets' all-reduces alone")
-            return None
         for rule, buckets in accepted.items():
             per_step = len(buckets)
             if len(sizes) == STEPS * per_step and all(
@@ -226,9 +225,9 @@ def _judge_buckets(run: RunResult, report: ExerciseReport) -> str | None:
                 said = f"{len(sizes)} times in {STEPS} steps, the whole model at once: the cap did not split it"
             else:
                 said = f"{len(sizes)} times in {STEPS} steps, not in the buckets a cap of {BUCKET_CAP_BYTES:,} bytes makes"
-            report.mistakes.append(
-                f"rank {r.rank} all-reduced its gradients {said}. Parameters in reverse order, in buckets of about "
-                f"{BUCKET_CAP_BYTES:,} bytes, make " + " or ".join(f"{len(b)} a step ({rule})" for rule, b in accepted.items()))
+            counts = " or ".join(f"{len(b)} a step by {rule}" for rule, b in accepted.items())
+            report.mistakes.append(f"rank {r.rank} all-reduced its gradients {said}. Parameters in reverse order, in "
+                                   f"buckets of about {BUCKET_CAP_BYTES:,} bytes, make {counts}")
             return None
     report.confirmed.append(f"every rank all-reduced its gradients in {len(sizes) // STEPS} buckets a step ({rule}), "
                             f"{len(sizes)} all-reduces in {STEPS} steps, as torch's flight recorder saw them")
@@ -248,7 +247,9 @@ def _judge_contents(run: RunResult, report: ExerciseReport, secrets: list[int], 
                    for call in r.all_reduced]
         if len(carried) != len(gradient_all_reduces(r.collectives)) or None in carried:
             report.mistakes.append(f"rank {r.rank}: what its all-reduces carried could not be read: the checker reads "
-                                   "what each dist.all_reduce call is handed, and the flight recorder saw "
+                                   "what each dist.all_reduce call is handed (all_reduce_coalesced, a process "
+                                   "group's own allreduce and functional collectives it cannot read), and the "
+                                   "flight recorder saw "
                                    f"{len(gradient_all_reduces(r.collectives))} all-reduces against {len(carried)} such calls")
             return
         for step in range(STEPS):
@@ -265,7 +266,7 @@ def _judge_contents(run: RunResult, report: ExerciseReport, secrets: list[int], 
     report.confirmed.append("every rank's all-reduces carried its own batch's gradients, bucket by bucket")
 
 
-def _judge_overlap(run: RunResult, report: ExerciseReport) -> None:
+def _judge_overlap(run: RunResult, report: ExerciseReport) -> bool | None:
     """In every step, some all-reduce started while the backward was accumulating gradients, and ran while it
     went on: no wait for it before the next gradient was accumulated (a wait in a hook stops the backward)."""
     running = []
@@ -274,25 +275,27 @@ def _judge_overlap(run: RunResult, report: ExerciseReport) -> None:
         created = [c.get("started_ns") for c in gradient_all_reduces(r.collectives)]
         if None in created:
             report.mistakes.append("this torch's flight recorder does not time its entries: the overlap cannot be judged")
-            return
+            return None
         inside = [[t for t in created if step["accumulated_ns"][0] <= t <= step["accumulated_ns"][-1]] for step in steps]
         if len(steps) < STEPS or not all(inside):
             late = sum(not started for started in inside) + max(0, STEPS - len(steps))
             report.mistakes.append(
                 f"rank {r.rank}: in {late} of {STEPS} steps no all-reduce started while the backward was still "
                 "computing gradients: every bucket waited for the whole backward, and nothing overlapped")
-            return
+            return False
         ran_on = [sum(_ran_while_backward_went_on(t, step) for t in started) for step, started in zip(steps, inside)]
         if min(ran_on) == 0:
             report.mistakes.append(
                 f"rank {r.rank}: in {sum(n == 0 for n in ran_on)} of {STEPS} steps every all-reduce started inside the "
                 "backward was waited for before the next gradient was computed: the backward stood still while each "
                 "one ran, and nothing overlapped")
-            return
+            return False
         running += ran_on
     per_step = len(gradient_all_reduces(run.ranks[0].collectives)) // STEPS
-    report.confirmed.append(f"in every step, on every rank, {min(running)} to {max(running)} of the {per_step} buckets' "
+    share = f"{min(running)}" if min(running) == max(running) else f"{min(running)} to {max(running)}"
+    report.confirmed.append(f"in every step, on every rank, {share} of the {per_step} buckets' "
                             "all-reduces started inside the backward and ran while it went on computing gradients")
+    return True
 
 
 def _ran_while_backward_went_on(created_ns: int, step: dict) -> bool:
@@ -303,18 +306,22 @@ def _ran_while_backward_went_on(created_ns: int, step: dict) -> bool:
 
 
 def _judge_waits(run: RunResult, report: ExerciseReport) -> None:
-    """In every step, a wait for a collective came after the step's last all-reduce started and before the
-    optimizer stepped: an async all-reduce's result is only there once waited for."""
+    """In every step, every all-reduce was waited for before the optimizer stepped: as many waits on a work as
+    all-reduces started since the step's first one, one of them after the last, or a future's wait (which may
+    cover several) after the last. An async all-reduce's result is only there once waited for."""
     for r in run.ranks:
         steps = r.facts[BACKWARD_FACT]["steps"]
         created = [c["started_ns"] for c in gradient_all_reduces(r.collectives)]
         unwaited = 0
         for step in steps:
             mine = [t for t in created if step["accumulated_ns"][0] <= t <= step["stepped_ns"]]
-            if mine and not any(max(mine) < w < step["stepped_ns"] for w in step["waited_ns"]):
+            waits = [(t, kind) for t, kind in step.get("waited", []) if min(mine, default=0) < t < step["stepped_ns"]]
+            after_last = [kind for t, kind in waits if mine and t > max(mine)]
+            if mine and not ("future" in after_last or (after_last and sum(kind == "work" for _, kind in waits) >= len(mine))):
                 unwaited += 1
         if unwaited:
             report.mistakes.append(
-                f"rank {r.rank}: in {unwaited} of {len(steps)} steps the optimizer stepped with no wait for the last "
-                "all-reduce: its result may not have arrived when the step read the gradients")
+                f"rank {r.rank}: in {unwaited} of {len(steps)} steps the optimizer stepped before every all-reduce of "
+                "the step had been waited for: an all-reduce's result may not have arrived when the step read the "
+                "gradients")
             return

@@ -59,7 +59,8 @@ def exercise_model():
         if steps and "stepped_ns" not in steps[-1]:
             steps[-1]["stepped_ns"] = time.time_ns()
             first = steps[-1]["accumulated_ns"][0]
-            steps[-1]["waited_ns"] = [t for t in notes["waited_ns"] if t >= first]
+            steps[-1]["waited_ns"] = [t for t, _ in notes["waited_ns"] if t >= first]
+            steps[-1]["waited"] = [[t, kind] for t, kind in notes["waited_ns"] if t >= first]
             record(BACKWARD_FACT, {"steps": steps, "reducers_built": notes["reducers_built"]})
 
     for parameter in model.parameters():
@@ -85,10 +86,12 @@ def _install_notes() -> dict:
 
     _all_reduce_log.log_sums = True  # what each all-reduce carried: the checker compares with each rank's gradients
 
-    for cls in (Work, torch._C.Future):
+    # A work's wait covers that one collective; a future's (torch.futures.wait_all, get_future().wait()) may
+    # cover many: the checker counts the former and takes the latter as covering all before it.
+    for cls, kind in ((Work, "work"), (torch._C.Future, "future")):
         if not getattr(cls.wait, "_noted", False):
-            def wait(self, *args, _original=cls.wait, **kwargs):
-                _NOTES["waited_ns"].append(time.time_ns())
+            def wait(self, *args, _original=cls.wait, _kind=kind, **kwargs):
+                _NOTES["waited_ns"].append([time.time_ns(), _kind])
                 return _original(self, *args, **kwargs)
 
             wait._noted = True

@@ -9,10 +9,13 @@ It computes the intended training itself, in one process (`exercise_reference`),
   as one of the two readings of "buckets up to a cap" (`accepted_buckets`);
 - the weights: every rank's bitwise equal, and the reference's to float32's summation order (a sum instead of
   an average named);
+- what the buckets carried: the sum of each `dist.all_reduce` input (logged by the launcher once
+  `exercise_model()` asks, `_all_reduce_log.log_sums`) is the rank's own gradients in a bucket, on the
+  intended trajectory: buckets of zeros sent for show fail even where the weights are right;
 - the overlap: in every step, an all-reduce created (the flight recorder's clock) while the backward was
   accumulating gradients, and not waited for before the next gradient was accumulated;
-- the wait: in every step, a wait for a collective after the step's last all-reduce started and before
-  the optimizer stepped (without it, the step may read a bucket before its average has arrived);
+- the waits: in every step, every all-reduce waited for before the optimizer stepped (as many waits on works
+  as all-reduces, one after the last; or a future's wait after the last, which may cover several);
 - and, when all of that holds, the same script again on 3 ranks: an average hard-wired for 2 does not pass.
 """
 
@@ -23,6 +26,7 @@ import math
 from ..exercises import ExerciseReport, rank_secrets, side_channels
 from ..flight_recorder import ALL_REDUCE_OPS
 from ..result import RunResult
+from .lesson7 import values
 from .lesson7_exercise import (BACKWARD_FACT, BUCKET_CAP_BYTES, STEPS, WEIGHT_TOLERANCE, exercise_reference,
                                local_gradients, plain_model)
 
@@ -66,10 +70,6 @@ def accepted_buckets(cap_bytes: int = BUCKET_CAP_BYTES) -> dict[str, list[int]]:
 def gradient_all_reduces(collectives) -> list[dict]:
     """A rank's all-reduces, in order: in this exercise every one carries gradients (the loop logs no loss)."""
     return [c for c in collectives if c["op"] in ALL_REDUCE_OPS]
-
-
-def _values(call: dict) -> int:
-    return sum(math.prod(shape) for shape in call["shapes"])
 
 
 def wrapped_torch_ddp(collectives) -> bool:
@@ -165,7 +165,7 @@ def _other_collectives(run: RunResult) -> str | None:
             allowed = (call["op"] in ALL_REDUCE_OPS or "barrier" in call["op"]
                        or (not started and call["op"] == "broadcast" and set(call["dtypes"]) <= set(FLOATING)))
             if not allowed:
-                return (f"rank {r.rank} called {call['op']} ({_values(call):,} {'/'.join(call['dtypes'])} values) "
+                return (f"rank {r.rank} called {call['op']} ({values(call):,} {'/'.join(call['dtypes'])} values) "
                         + ("during the training" if started else "before the training") + ": data crossed between "
                         "the ranks outside the gradients' buckets. Only the buckets' all-reduces (and, before the "
                         "training, broadcasts of the starting weights) are allowed")
@@ -212,7 +212,7 @@ def _judge_buckets(run: RunResult, report: ExerciseReport) -> str | None:
     parameter_sizes = {p.numel() for p in plain_model().parameters()}
     for r in run.ranks:
         calls = gradient_all_reduces(r.collectives)
-        sizes = [_values(c) for c in calls]
+        sizes = [values(c) for c in calls]
         for rule, buckets in accepted.items():
             per_step = len(buckets)
             if len(sizes) == STEPS * per_step and all(
@@ -302,7 +302,7 @@ def _ran_while_backward_went_on(created_ns: int, step: dict) -> bool:
     """Whether an all-reduce created at `created_ns` was not waited for before the backward accumulated its next
     gradient."""
     following = [t for t in step["accumulated_ns"] if t > created_ns]
-    return bool(following) and not any(created_ns < w < following[0] for w in step["waited_ns"])
+    return bool(following) and not any(created_ns < t < following[0] for t, _ in step["waited"])
 
 
 def _judge_waits(run: RunResult, report: ExerciseReport) -> None:
@@ -315,7 +315,7 @@ def _judge_waits(run: RunResult, report: ExerciseReport) -> None:
         unwaited = 0
         for step in steps:
             mine = [t for t in created if step["accumulated_ns"][0] <= t <= step["stepped_ns"]]
-            waits = [(t, kind) for t, kind in step.get("waited", []) if min(mine, default=0) < t < step["stepped_ns"]]
+            waits = [(t, kind) for t, kind in step["waited"] if min(mine, default=0) < t < step["stepped_ns"]]
             after_last = [kind for t, kind in waits if mine and t > max(mine)]
             if mine and not ("future" in after_last or (after_last and sum(kind == "work" for _, kind in waits) >= len(mine))):
                 unwaited += 1

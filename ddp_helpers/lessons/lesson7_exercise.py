@@ -13,7 +13,6 @@ collective (`Work.wait`, and a future's `wait`), when the optimizer stepped, and
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
 
@@ -44,8 +43,6 @@ def exercise_model():
     """The model every rank starts from (seeded: the same weights on every rank). It also takes notes for the
     checker, step by step: when each gradient was accumulated, when the rank waited for a collective, when
     the optimizer stepped (recorded then, as BACKWARD_FACT)."""
-    import torch
-
     model = plain_model()
     steps: list[dict] = []
     notes = _install_notes()
@@ -59,8 +56,7 @@ def exercise_model():
         if steps and "stepped_ns" not in steps[-1]:
             steps[-1]["stepped_ns"] = time.time_ns()
             first = steps[-1]["accumulated_ns"][0]
-            steps[-1]["waited_ns"] = [t for t, _ in notes["waited_ns"] if t >= first]
-            steps[-1]["waited"] = [[t, kind] for t, kind in notes["waited_ns"] if t >= first]
+            steps[-1]["waited"] = [[t, kind] for t, kind in notes["waited"] if t >= first]
             record(BACKWARD_FACT, {"steps": steps, "reducers_built": notes["reducers_built"]})
 
     for parameter in model.parameters():
@@ -71,7 +67,7 @@ def exercise_model():
     return model
 
 
-_NOTES: dict = {"waited_ns": [], "reducers_built": 0}
+_NOTES: dict = {"waited": [], "reducers_built": 0}  # waited: [time.time_ns(), "work" or "future"]
 
 
 def _install_notes() -> dict:
@@ -91,7 +87,7 @@ def _install_notes() -> dict:
     for cls, kind in ((Work, "work"), (torch._C.Future, "future")):
         if not getattr(cls.wait, "_noted", False):
             def wait(self, *args, _original=cls.wait, _kind=kind, **kwargs):
-                _NOTES["waited_ns"].append([time.time_ns(), _kind])
+                _NOTES["waited"].append([time.time_ns(), _kind])
                 return _original(self, *args, **kwargs)
 
             wait._noted = True

@@ -1,9 +1,14 @@
-"""What an exercise checker hands back: `ExerciseReport`, the mistakes it found and what it confirmed.
+"""What an exercise checker hands back (`ExerciseReport`, the mistakes it found and what it confirmed), and
+what several checkers share: reading the ranks' secrets, naming side channels, the regression exercises'
+teacher and one-process reference training, a distance between weights, a second run at another world size.
 Each lesson's checker lives with the lesson (`ddp_helpers/lessons/`)."""
 
 from __future__ import annotations
 
+import functools
 import html
+import math
+import os
 from dataclasses import dataclass, field
 
 
@@ -82,6 +87,53 @@ def all_reduced_values(collectives, ops: tuple[str, ...] | None = None) -> int:
 
     return sum(prod(shape) for call in collectives if call["op"] in (ops or ALL_REDUCE_OPS)
                for shape in call["shapes"])
+
+
+@functools.cache  # one teacher for every batch: it is fixed by its seed
+def regression_teacher(inputs: int):
+    """The small network whose outputs are the regression exercises' targets (lessons 6 and 7), the same
+    in every rank and in the checker: seeded, `inputs` wide."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    teacher = torch.nn.Sequential(torch.nn.Linear(inputs, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    with torch.no_grad():
+        for parameter in teacher.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) / parameter.shape[-1] ** 0.5)
+    return teacher
+
+
+def train_on_every_share(model, shares_of_step, steps: int, learning_rate: float) -> list:
+    """A checker's reference, in one process: `steps` steps of SGD on the mean squared error over every rank's
+    share of each step's batch, `shares_of_step(step)` -> [(inputs, targets), ...] (shares of equal size: the
+    mean over all of them is what DDP's average computes). Returns the final weights."""
+    import torch
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # inside a rank: recording these weights would skip the exercise
+        raise RuntimeError("exercise_reference is the checker's answer, computed in the notebook: the exercise's "
+                           "script must train the model itself")
+    optimizer = torch.optim.SGD(model.parameters(), lr=learning_rate)
+    for step in range(steps):
+        shares = shares_of_step(step)
+        inputs, targets = torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def distance(weights, others) -> float:
+    """The Euclidean distance between two lists of tensors, taken as one vector."""
+    return math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(weights, others)))
+
+
+def run_again(run, nproc: int, timeout_s: float):
+    """The run's script launched again by a checker on `nproc` CPU ranks (gloo, whatever the machine has), in a
+    run folder beside the first one's."""
+    from . import run_script
+
+    return run_script(run.config.script, nproc=nproc, backend="gloo", stream=False, timeout_s=timeout_s,
+                      run_dir=run.run_dir.with_name(f"{run.run_dir.name}-at-{nproc}"))
 
 
 def _sentence(finding: str) -> str:

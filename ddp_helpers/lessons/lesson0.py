@@ -12,7 +12,7 @@ side channel is not a collective.
 
 from __future__ import annotations
 
-from ..exercises import ExerciseReport, rank_secrets, side_channels
+from ..exercises import ExerciseReport, rank_secrets, run_again, side_channels
 from ..recording import rank_secret
 from ..result import RunResult
 
@@ -44,12 +44,9 @@ def check_mean_exercise(run: RunResult, *, second_world: bool = True) -> Exercis
     if not _judge(run, report):
         return report
     if second_world:
-        from .. import run_script
-
         other = 3 if world == 2 else 2
         # On CPU ranks (a machine may have fewer GPUs than that): the cell asks for gloo anyway.
-        again = run_script(run.config.script, nproc=other, backend="gloo", stream=False,
-                           timeout_s=SECOND_WORLD_TIMEOUT_S, run_dir=run.run_dir.with_name(f"{run.run_dir.name}-at-{other}"))
+        again = run_again(run, other, SECOND_WORLD_TIMEOUT_S)
         if not again.ok:
             report.mistakes.append(f"run again by the checker on {other} ranks, the cell failed: {again.summary()[:300]}")
             return report

@@ -27,11 +27,10 @@ trusted.
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
-from ..exercises import ExerciseReport, rank_secrets, side_channels
+from ..exercises import (ExerciseReport, distance, rank_secrets, regression_teacher, side_channels,
+                         train_on_every_share)
 from ..flight_recorder import ALL_REDUCE_OPS, torch_dtype_name
 from ..recording import rank_secret
 from ..result import RunResult
@@ -59,25 +58,13 @@ def exercise_model():
                                torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 1))
 
 
-@functools.cache  # one teacher for every batch: it is fixed by its seed
-def _teacher():
-    import torch
-
-    generator = torch.Generator().manual_seed(1)
-    teacher = torch.nn.Sequential(torch.nn.Linear(INPUTS, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    with torch.no_grad():
-        for parameter in teacher.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) / parameter.shape[-1] ** 0.5)
-    return teacher
-
-
 def exercise_batch(step: int, secret: int):
     """The share of step `step`'s batch of the rank whose secret is `secret`: (inputs, targets), BATCH samples."""
     import torch
 
     inputs = torch.randn(BATCH, INPUTS, generator=torch.Generator().manual_seed((secret + step) % 2**63))
     with torch.no_grad():
-        return inputs, _teacher()(inputs)
+        return inputs, regression_teacher(INPUTS)(inputs)
 
 
 def my_batch(step: int):
@@ -93,20 +80,8 @@ def parameter_bytes() -> int:
 def exercise_reference(secrets: list[int]) -> list:
     """The weights after the intended training on ranks with these secrets, computed in one process: each
     step's gradient is the mean loss's over every rank's share (shares of equal size), as DDP averages it."""
-    import torch
-
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # inside a rank: recording these weights would skip the exercise
-        raise RuntimeError("exercise_reference is the checker's answer, computed in the notebook: the exercise's "
-                           "script must train the model itself")
-    model = exercise_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    for step in range(STEPS):
-        shares = [exercise_batch(step, secret) for secret in secrets]
-        inputs, targets = torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(inputs), targets).backward()
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return train_on_every_share(exercise_model(), lambda step: [exercise_batch(step, secret) for secret in secrets],
+                                STEPS, LEARNING_RATE)
 
 
 def all_reduce_bytes(collectives: list[dict]) -> list[int]:
@@ -228,8 +203,7 @@ def _judge_weights(run: RunResult, report: ExerciseReport, secrets: list[int], b
     if [w.shape for w in weights[0]] != [r.shape for r in reference]:
         report.mistakes.append("the recorded weights are not the exercise model's: keep its model and record line")
         return
-    moved = math.sqrt(sum(float((r - s).square().sum()) for r, s in zip(reference, start)))
-    off = math.sqrt(sum(float((w - r).square().sum()) for w, r in zip(weights[0], reference)))
+    moved, off = distance(reference, start), distance(weights[0], reference)
     if off > WEIGHT_TOLERANCE * moved:
         report.mistakes.append(
             f"the weights are {off / moved:.1%} of the training's distance away from the uncompressed training's "

@@ -21,9 +21,7 @@ It computes the intended training itself, in one process (`exercise_reference`),
 
 from __future__ import annotations
 
-import math
-
-from ..exercises import ExerciseReport, rank_secrets, side_channels
+from ..exercises import ExerciseReport, distance, rank_secrets, run_again, side_channels
 from ..flight_recorder import ALL_REDUCE_OPS
 from ..result import RunResult
 from .lesson7 import values
@@ -93,11 +91,8 @@ def check_my_ddp_exercise(run: RunResult, *, second_world: bool = True) -> Exerc
         return report
     if not _judge(run, report) or not second_world:
         return report
-    from .. import run_script
-
     other = SECOND_WORLD if len(run.ranks) != SECOND_WORLD else 2
-    again = run_script(run.config.script, nproc=other, backend="gloo", stream=False, timeout_s=SECOND_WORLD_TIMEOUT_S,
-                       run_dir=run.run_dir.with_name(f"{run.run_dir.name}-at-{other}"))
+    again = run_again(run, other, SECOND_WORLD_TIMEOUT_S)
     if not again.ok:
         report.mistakes.append(f"run again by the checker on {other} ranks, the cell failed: {again.summary()[:300]}")
         return report
@@ -172,10 +167,6 @@ def _other_collectives(run: RunResult) -> str | None:
     return None
 
 
-def _distance(a, b) -> float:
-    return math.sqrt(sum(float((x - y).square().sum()) for x, y in zip(a, b)))
-
-
 def _judge_weights(run: RunResult, report: ExerciseReport, secrets: list[int]) -> bool:
     import torch
 
@@ -189,14 +180,14 @@ def _judge_weights(run: RunResult, report: ExerciseReport, secrets: list[int]) -
     if [w.shape for w in weights[0]] != [r.shape for r in reference]:
         report.mistakes.append("the recorded weights are not the exercise model's: keep its model and record line")
         return False
-    moved = _distance(reference, [p.detach() for p in plain_model().parameters()])
-    off = _distance(weights[0], reference)
+    moved = distance(reference, [p.detach() for p in plain_model().parameters()])
+    off = distance(weights[0], reference)
     if off <= WEIGHT_TOLERANCE * moved:
         report.confirmed.append(f"every rank ended with bitwise the same weights, those of one process training on "
                                 f"every rank's data, to {off / moved:.0e} of how far training moved them (float32's "
                                 "summation order)")
         return True
-    elif _distance(weights[0], exercise_reference(secrets, summed=True)) <= WEIGHT_TOLERANCE * moved:
+    elif distance(weights[0], exercise_reference(secrets, summed=True)) <= WEIGHT_TOLERANCE * moved:
         report.mistakes.append(f"the ranks summed their gradients and did not average them: the weights are those of "
                                f"a {len(run.ranks)} times larger learning rate")
     else:

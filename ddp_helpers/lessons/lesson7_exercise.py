@@ -12,10 +12,9 @@ collective (`Work.wait`, and a future's `wait`), when the optimizer stepped, and
 
 from __future__ import annotations
 
-import functools
-import os
 import time
 
+from ..exercises import regression_teacher, train_on_every_share
 from ..recording import rank_secret, record
 
 STEPS = 20
@@ -102,25 +101,13 @@ def _install_notes() -> dict:
     return _NOTES
 
 
-@functools.cache  # one teacher for every batch: it is fixed by its seed
-def _teacher():
-    import torch
-
-    generator = torch.Generator().manual_seed(1)
-    teacher = torch.nn.Sequential(torch.nn.Linear(INPUTS, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    with torch.no_grad():
-        for parameter in teacher.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) / parameter.shape[-1] ** 0.5)
-    return teacher
-
-
 def exercise_batch(step: int, secret: int):
     """The share of step `step`'s batch of the rank whose secret is `secret`: (inputs, targets)."""
     import torch
 
     inputs = torch.randn(BATCH, INPUTS, generator=torch.Generator().manual_seed((secret + 7919 * step) % 2**63))
     with torch.no_grad():
-        return inputs, _teacher()(inputs)
+        return inputs, regression_teacher(INPUTS)(inputs)
 
 
 def my_batch(step: int):
@@ -154,19 +141,5 @@ def local_gradients(secrets: list[int]) -> list[list[list]]:
 def exercise_reference(secrets: list[int], summed: bool = False) -> list:
     """The weights after the intended training on ranks with these secrets, in one process: each step's
     gradient is the mean loss's over every rank's share. `summed`: the ranks' gradients added, not averaged."""
-    import torch
-
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # inside a rank: recording these weights would skip the exercise
-        raise RuntimeError("exercise_reference is the checker's answer, computed in the notebook: the exercise's "
-                           "script must train the model itself")
-    model = plain_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE * (len(secrets) if summed else 1))
-    for step in range(STEPS):
-        shares = [exercise_batch(step, secret) for secret in secrets]
-        inputs, targets = torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(inputs), targets).backward()
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
-
-
+    return train_on_every_share(plain_model(), lambda step: [exercise_batch(step, secret) for secret in secrets],
+                                STEPS, LEARNING_RATE * (len(secrets) if summed else 1))

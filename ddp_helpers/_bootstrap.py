@@ -34,6 +34,7 @@ import threading
 import time
 import traceback
 import types
+import weakref
 
 from . import _all_reduce_log, _channel_bytes, _hang_probe, _point_to_point
 from .processes import die_with_parent, start_time
@@ -321,6 +322,7 @@ def _finish_like_the_interpreter(may_hold_open_files: bool = True) -> None:
     the script may have left a file it wrote unclosed (the search for them walks every object the garbage
     collector tracks: some 300,000 with torch imported, 0.1 s; a script that opened nothing for writing skips it)."""
     threading._shutdown()  # join non-daemon threads, as the interpreter does first
+    _skip_torch_library_teardown()
     atexit._run_exitfuncs()
     if not may_hold_open_files:
         return
@@ -333,6 +335,19 @@ def _finish_like_the_interpreter(may_hold_open_files: bool = True) -> None:
                     obj.flush()
             except Exception:  # noqa: BLE001 - a broken stream must not change the rank's exit
                 pass
+
+
+def _skip_torch_library_teardown() -> None:
+    """torch's operator libraries (`torch.library.Library`, some 170 once torch is imported) are finalised at
+    exit (`weakref.finalize`'s atexit), each taking its operators out of torch's dispatcher again
+    (`torch/library.py`, `_del_library`): 40-60 ms of a rank's end, undoing state of this process only, which
+    ends right after (os._exit). They no longer run at exit; a script's own finalizers and atexit functions do."""
+    del_library = getattr(sys.modules.get("torch.library"), "_del_library", None)
+    if del_library is None:
+        return
+    for finalizer, info in list(getattr(weakref.finalize, "_registry", {}).items()):
+        if getattr(info, "func", None) is del_library:
+            finalizer.atexit = False
 
 
 class _KilledAfterPrinting:

@@ -88,7 +88,7 @@ def follow(engine: Engine, config: LaunchConfig, folder: RunFolder) -> RunResult
                 timed_out = True
                 engine.on_timeout(streamer)
                 break
-            time.sleep(engine.poll_interval_s)
+            engine.wait_for_end(engine.poll_interval_s)
     finally:  # normal end, timeout, KeyboardInterrupt (stop button) or any error: nothing of the run survives
         _stop(engine, streamer)
     result = collect_result(config, folder, engine.ending(), wall_time_s=time.monotonic() - start,

@@ -288,8 +288,14 @@ def test_a_rank_killed_by_a_signal_is_named_as_the_first_failure(write_script, s
 
 
 ENDS_LIKE_PLAIN_PYTHON = """
-import atexit, os, sys, threading, time
+import atexit, os, sys, threading, time, weakref
 rank = int(os.environ["RANK"])
+
+class Kept:
+    pass
+
+kept = Kept()  # alive to the end: finalised at exit, as the interpreter does
+weakref.finalize(kept, lambda: open(f"finalized{rank}.txt", "w").write("finalizer ran"))
 log = open(f"log{rank}.txt", "w")
 log.write("written, never closed")
 if rank == 0:
@@ -331,6 +337,7 @@ def test_a_script_ends_as_under_plain_torchrun(write_script):
         assert (run.run_dir / f"log{rank}.txt").read_text() == "written, never closed"
         assert (run.run_dir / f"thread{rank}.txt").read_text() == "the thread finished"
         assert (run.run_dir / f"atexit{rank}.txt").read_text() == "atexit ran"
+        assert (run.run_dir / f"finalized{rank}.txt").read_text() == "finalizer ran"
 
 
 def test_plain_python_agrees_on_those_exit_statuses(write_script, tmp_path):
@@ -341,6 +348,7 @@ def test_plain_python_agrees_on_those_exit_statuses(write_script, tmp_path):
         for rank in (0, 1)
     ]
     assert statuses == [0, 255]
+    assert [(tmp_path / f"finalized{rank}.txt").read_text() for rank in (0, 1)] == ["finalizer ran"] * 2
 
 
 def test_a_folder_is_ours_only_by_our_marker(tmp_path):

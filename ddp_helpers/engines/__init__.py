@@ -23,6 +23,7 @@ import importlib
 import os
 import pkgutil
 import re
+import time
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -291,6 +292,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def running(self) -> bool:
         """Whether the run goes on. May raise LaunchError when it can never end well (stop still runs)."""
+
+    def wait_for_end(self, seconds: float) -> None:
+        """Between two polls: return after `seconds`, or as soon as the run ended, where the engine can tell."""
+        time.sleep(seconds)
 
     def on_timeout(self, output: OutputPump) -> None:
         """The deadline passed and the run still goes on: what to gather before it is stopped (poll

@@ -20,6 +20,7 @@ from ...text_in_file import TextInFile
 from ...processes import ARM_PARENT_DEATH_FAILED, arm_parent_death_signal
 from ...run_folder import AGENT_ENV, AGENT_PID_ENV, AgentOutcome, RunFolder
 from .supervisor_spec import SupervisorSpec
+from .torchrun_waits import without_idle_waits
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -51,27 +52,6 @@ def run_torchrun(argv: list[str]) -> AgentOutcome:
         return AgentOutcome(succeeded=False, stopped_by=signal.Signals(stopped.sigval).name)
 
 
-def skip_first_join_skew() -> None:
-    """In this process, torchrun's c10d rendezvous no longer sleeps its random 0 to 0.3 s before an agent
-    first joins (`DynamicRendezvousHandler.next_rendezvous`: `_delay(seconds=(0, 0.3))`, "to slightly skew the
-    rendezvous attempts across the nodes and reduce the load on the backend"). The agents here are on this
-    machine and meet on a store of their own: the skew spreads nothing and adds 150 ms to a launch on
-    average. Only that random delay goes; a waiting agent still polls once a second (`_delay(seconds=1)`),
-    and the rendezvous numbers the agents as before (sorted, whatever their order of arrival)."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    original = dynamic_rendezvous._delay
-    if hasattr(original, "__wrapped__"):
-        return
-
-    def delay(seconds):
-        if not isinstance(seconds, tuple):  # a random skew is given as its bounds
-            original(seconds)
-
-    delay.__wrapped__ = original
-    dynamic_rendezvous._delay = delay
-
-
 def run_agent(agent: int, spec: SupervisorSpec, torchrun_argv: list[str]) -> AgentOutcome:
     """Agent `agent` of the run, in this process (agent 0 in the supervisor, the others in its forks): what it
     observed. A stop signal, or the agent's own failure, is its outcome too."""
@@ -80,7 +60,7 @@ def run_agent(agent: int, spec: SupervisorSpec, torchrun_argv: list[str]) -> Age
     if spec.agent_gpus is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.agent_gpus[agent]
     try:
-        skip_first_join_skew()
+        without_idle_waits()
         return run_torchrun(torchrun_argv)
     except Stopped as stopped:
         return AgentOutcome(succeeded=False, stopped_by=str(stopped))

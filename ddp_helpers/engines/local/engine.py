@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -97,6 +98,7 @@ class LocalEngine(Engine):
         self.process: subprocess.Popen | WarmProcess | None = None
         self._log = None
         self._killer = RankKiller(config, folder) if config.job.kill_rank is not None else None
+        self._supervisor_pidfd: int | None = None  # a cold supervisor's, once waited on
 
     def start(self, run_id: str) -> None:
         self.run_id = run_id
@@ -144,6 +146,25 @@ class LocalEngine(Engine):
             self._killer.poll()
         return self.process.poll() is None
 
+    def wait_for_end(self, seconds: float) -> None:
+        """Until the supervisor ends (the zygote's word, or a cold one's pidfd), at most `seconds`: the launch
+        returns as soon as the run ended, not at the next poll."""
+        ended = self._ended_fd()
+        if ended is None:
+            time.sleep(seconds)
+        else:
+            select.select([ended], [], [], seconds)
+
+    def _ended_fd(self) -> int | None:
+        if isinstance(self.process, WarmProcess):
+            return self.process.ended_fd()
+        if self._supervisor_pidfd is None and self.process is not None and self.process.returncode is None:
+            try:
+                self._supervisor_pidfd = os.pidfd_open(self.process.pid)  # readable once it exited, reaped or not
+            except OSError:
+                return None
+        return self._supervisor_pidfd
+
     def on_timeout(self, output: OutputPump) -> None:
         dump_stacks_of_live_ranks(self.config, self.folder, output)
 
@@ -160,6 +181,9 @@ class LocalEngine(Engine):
         kill_process_groups(self.folder.rank_pids(self.config.world_size))
         if self._log is not None:
             self._log.close()
+        if self._supervisor_pidfd is not None:
+            os.close(self._supervisor_pidfd)
+            self._supervisor_pidfd = None
 
     def ending(self) -> Ending:
         if self._killer is not None:

@@ -107,13 +107,16 @@ class OutputPipes:
                 self._outputs[read_fd] = CappedOutput(folder.output(rank, kind))
                 self._selector.register(read_fd, selectors.EVENT_READ)
         self._stop = threading.Event()
+        self._wake, self._waker = os.pipe()  # a byte from close() ends the thread's wait at once
+        self._selector.register(self._wake, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._drain, name="ddp_helpers-output", daemon=True)
         self._thread.start()
 
     def _drain(self) -> None:
         while not self._stop.is_set():
             for key, _ in self._selector.select(timeout=0.05):
-                self._read(key.fd)
+                if key.fd != self._wake:
+                    self._read(key.fd)
         for fd in self._outputs:  # what is left after the ranks ended
             while self._read(fd):
                 pass
@@ -129,7 +132,10 @@ class OutputPipes:
 
     def close(self) -> None:
         self._stop.set()
+        os.write(self._waker, b".")
         self._thread.join()
+        os.close(self._wake)
+        os.close(self._waker)
         for fd, output in self._outputs.items():
             output.close()
             os.close(fd)

@@ -90,6 +90,10 @@ class WarmProcess:
             self._take(message)
         return self.returncode
 
+    def ended_fd(self) -> int | None:
+        """Readable once the zygote said how it ended (or went away): for a select() between polls."""
+        return None if self.returncode is not None else self._conn.fileno()
+
     def _ended_unreported(self) -> bool:
         """The supervisor has exited, and the zygote still says nothing after STATUS_GRACE_S."""
         if self._pidfd is None or not select.select([self._pidfd], [], [], 0)[0]:

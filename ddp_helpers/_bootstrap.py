@@ -338,10 +338,11 @@ def _finish_like_the_interpreter(may_hold_open_files: bool = True) -> None:
 
 
 def _skip_torch_library_teardown() -> None:
-    """torch's operator libraries (`torch.library.Library`, some 170 once torch is imported) are finalised at
-    exit (`weakref.finalize`'s atexit), each taking its operators out of torch's dispatcher again
-    (`torch/library.py`, `_del_library`): 40-60 ms of a rank's end, undoing state of this process only, which
-    ends right after (os._exit). They no longer run at exit; a script's own finalizers and atexit functions do."""
+    """torch's operator libraries (`torch.library.Library`: some 170 in a rank, torch and torch._dynamo imported)
+    are finalised at exit (`weakref.finalize`'s atexit), each taking its operators out of torch's dispatcher
+    again (`torch/library.py`, `_del_library`): 40-60 ms of a rank's end, undoing state of this process only,
+    which ends right after (os._exit). They no longer run at exit; a script's own finalizers and atexit
+    functions do."""
     del_library = getattr(sys.modules.get("torch.library"), "_del_library", None)
     if del_library is None:
         return

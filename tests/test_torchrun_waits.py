@@ -75,3 +75,12 @@ def test_at_a_ranks_end_torchs_operator_libraries_are_left_alone_and_nothing_els
     assert not next(f for f in registry if f.peek() and f.peek()[0] is library).atexit
     assert own.atexit
     own.detach()
+
+
+def test_a_python_without_pidfds_sleeps_plainly(monkeypatch):
+    monkeypatch.delattr("os.pidfd_open")  # CPython built without them (some conda builds)
+    exits = torchrun_waits._WorkerExits()
+    exits.watch([1])
+    started = time.monotonic()
+    exits.sleep(0.2)
+    assert time.monotonic() - started >= 0.2

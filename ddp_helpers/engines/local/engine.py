@@ -152,8 +152,10 @@ class LocalEngine(Engine):
         ended = self._ended_fd()
         if ended is None:
             time.sleep(seconds)
-        else:
-            select.select([ended], [], [], seconds)
+            return
+        waiter = select.poll()  # not select(): a kernel may hold descriptors numbered past 1024
+        waiter.register(ended, select.POLLIN)
+        waiter.poll(seconds * 1000)
 
     def _ended_fd(self) -> int | None:
         if isinstance(self.process, WarmProcess):
@@ -161,7 +163,7 @@ class LocalEngine(Engine):
         if self._supervisor_pidfd is None and self.process is not None and self.process.returncode is None:
             try:
                 self._supervisor_pidfd = os.pidfd_open(self.process.pid)  # readable once it exited, reaped or not
-            except OSError:
+            except (AttributeError, OSError):  # reaped already, or no pidfds in this Python or kernel
                 return None
         return self._supervisor_pidfd
 
@@ -181,9 +183,9 @@ class LocalEngine(Engine):
         kill_process_groups(self.folder.rank_pids(self.config.world_size))
         if self._log is not None:
             self._log.close()
-        if self._supervisor_pidfd is not None:
-            os.close(self._supervisor_pidfd)
-            self._supervisor_pidfd = None
+        pidfd, self._supervisor_pidfd = self._supervisor_pidfd, None  # safe to repeat (a second stop press)
+        if pidfd is not None:
+            os.close(pidfd)
 
     def ending(self) -> Ending:
         if self._killer is not None:

@@ -5,8 +5,8 @@ in what order; only idle time goes. The real torchrun of lessons 4-5 (`guarded_t
 Read in torch's source (the same in 2.4 to 2.13):
 - `elastic/rendezvous/dynamic_rendezvous.py`: before an agent first joins, a random 0-0.3 s sleep
   (`_delay(seconds=(0, 0.3))`); and each event the rendezvous records is named after its caller with two
-  `inspect.stack()` calls (`get_method_name`), which read the source lines of every frame: 10-30 ms an
-  event, a dozen events a launch, even when nothing records them (the default NullHandler drops them).
+  `inspect.stack()` calls (`get_method_name`), which look up every frame's module and source line (loading
+  its whole file through linecache): 10-30 ms an event, a dozen events a launch, even when nothing records them (the default NullHandler drops them).
 - `elastic/agent/server/api.py`, `_invoke_run`: the agent looks at its workers every `monitor_interval`
   (`time.sleep(monitor_interval)`): on average half an interval passes between the last worker's exit
   and the agent noticing it.
@@ -59,8 +59,8 @@ def method_name_from_the_frame(depth: int = 2) -> str:
 
 def name_rendezvous_events_from_the_frame() -> None:
     """The rendezvous names its events with `method_name_from_the_frame`: the same names, without
-    `inspect.stack()` reading (and caching) five source lines around every frame of the stack, twice an
-    event: ~100 ms of a launch's rendezvous and close."""
+    `inspect.stack()` looking up the module and source line of every frame of the stack, twice an event:
+    ~100 ms of a launch's rendezvous and close."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     original = dynamic_rendezvous.get_method_name
@@ -83,7 +83,8 @@ class _WorkerExits:
         for pid in pids:
             try:
                 self._pidfds.append(os.pidfd_open(pid))
-            except OSError:  # already reaped (the agent saw it end), or no pidfds here: the sleep is plain
+            except (AttributeError, OSError):  # already reaped (the agent saw it end), or no pidfds in this
+                # Python (built without them, as some conda builds are) or kernel: the sleep is plain
                 pass
 
     def _forget(self) -> None:

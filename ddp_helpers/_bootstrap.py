@@ -168,13 +168,15 @@ def _warn_if_process_group_left_open(rank: int) -> None:
 
 class WriteObserver:
     """Notes the files a rank writes (Python audit events "open" for writing, "os.rename"/"os.replace"),
-    leaving out the run folder's own bookkeeping (`RunFolder.is_bookkeeping`)."""
+    leaving out the run folder's own bookkeeping (`RunFolder.is_bookkeeping`); and which other ranks' secrets
+    it opened (or linked to) in the run folder: a side channel no real job has, which checkers name."""
 
     _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
-    def __init__(self, folder: RunFolder):
-        self.folder = folder
+    def __init__(self, folder: RunFolder, rank: int):
+        self.folder, self.rank = folder, rank
         self.paths: set[str] = set()
+        self.secrets_read: set[int] = set()
         # Whether the script opened anything for writing, bookkeeping aside (a descriptor, a path): only then can
         # a buffered file of its be left unflushed at the end (`_finish_like_the_interpreter`).
         self.opened_for_writing = False
@@ -187,10 +189,26 @@ class WriteObserver:
                 self._note(path)
             elif writes:  # os.fdopen(fd, "w") and the like: no path to tell bookkeeping by
                 self.opened_for_writing = True
+            if isinstance(path, (str, bytes, os.PathLike)):
+                self._note_secret(path)
         elif event == "socket.__new__":  # a socket's makefile("w") buffers too, with no "open" event
             self.opened_for_writing = True
         elif event == "os.rename":
+            self._note_secret(args[0])
             self._note(args[1])
+        elif event in ("os.link", "os.symlink"):  # another name for a secret, opened later under it
+            source, link = args[0], args[1]
+            if event == "os.symlink" and isinstance(link, (str, bytes)):  # a relative target is the link's folder's
+                source = os.path.join(os.path.dirname(os.fsdecode(link)), os.fsdecode(source))
+            self._note_secret(source)
+
+    def _note_secret(self, path) -> None:
+        try:
+            owner = self.folder.secret_owner(path)
+        except (TypeError, ValueError):
+            return
+        if owner is not None and owner != self.rank:
+            self.secrets_read.add(owner)
 
     def _note(self, path) -> None:
         try:
@@ -421,7 +439,7 @@ def main() -> None:
         os.register_at_fork(after_in_child=lambda: folder.record_forked_child(os.getpid(), start_time(os.getpid())))
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, file=_open_stack_file or sys.stderr, all_threads=True)
-    observer = WriteObserver(folder) if folder is not None else None
+    observer = WriteObserver(folder, rank) if folder is not None else None
     if observer is not None:
         sys.addaudithook(observer)
         patches = {"torch.serialization": _wrap_torch_save, "torch.distributed.distributed_c10d": _observe_collectives}
@@ -451,7 +469,8 @@ def main() -> None:
         traceback.print_exc()
     finally:
         if observer is not None:
-            folder.write_evidence(rank, files_written=observer.paths, point_to_point=_point_to_point.summary(),
+            folder.write_evidence(rank, files_written=observer.paths, secrets_read=observer.secrets_read,
+                                  point_to_point=_point_to_point.summary(),
                                   all_reduced=_all_reduce_log.summary(),
                                   collectives=_collectives_called(rank), channel_bytes=_channel_bytes.summary())
             # How it ended, for engines with no agent to ask (a cluster's job), and for a rank whose agent was stopped.

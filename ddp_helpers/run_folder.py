@@ -62,6 +62,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -80,6 +81,7 @@ AGENT_ENV = "DDP_HELPERS_AGENT"
 NODE_ENV = "DDP_HELPERS_NODE"
 # "1": every rank of the run is on this machine, and the stores it opens must listen on loopback only.
 LOOPBACK_ENV = "DDP_HELPERS_LOOPBACK_ONLY"
+_SECRET_NAME = re.compile(r"rank(\d+)\.secret")
 # The number only this rank's process is handed (`RunFolder.rank_secret`), in its environment.
 SECRET_ENV = "DDP_HELPERS_RANK_SECRET"
 # Starts the line a restarted rank prints first on stdout: where its new attempt begins.
@@ -193,6 +195,7 @@ class RankEvidence:
     all_reduced: tuple[dict, ...] = ()
     collectives: tuple[dict, ...] = ()
     channel_bytes: dict = field(default_factory=dict)
+    secrets_read: tuple[int, ...] = ()
 
 
 def _from_json(cls, value: dict | None):
@@ -361,6 +364,15 @@ class RunFolder:
         write_atomically(self._rank_file(rank, "secret"), str(drawn).encode())
         return drawn
 
+    def secret_owner(self, path) -> int | None:
+        """The rank whose secret file `path` names (its folder reached by any route), or None. Cheap for any
+        other file name: a rank's audit hook asks this of every file its script opens."""
+        path = os.fsdecode(path)
+        match = _SECRET_NAME.fullmatch(os.path.basename(path))
+        if match is None or os.path.realpath(os.path.dirname(os.path.abspath(path))) != os.path.realpath(self.path):
+            return None
+        return int(match.group(1))
+
     def write_identity(self, identity: RankIdentity) -> None:
         self.write_json(self._rank_file(identity.rank, "pid"), asdict(identity))
 
@@ -375,8 +387,9 @@ class RunFolder:
         self.write_json(self._rank_file(rank, "exit.json"), {"rank": rank, "exit_code": exit_code})
 
     def write_evidence(self, rank: int, *, files_written, point_to_point, all_reduced, collectives,
-                       channel_bytes: dict) -> None:
-        self.write_json(self._rank_file(rank, "writes.json"), {"rank": rank, "files": sorted(files_written)})
+                       channel_bytes: dict, secrets_read=()) -> None:
+        self.write_json(self._rank_file(rank, "writes.json"),
+                        {"rank": rank, "files": sorted(files_written), "secrets_read": sorted(secrets_read)})
         self.write_json(self._rank_file(rank, "p2p.json"), {"rank": rank, "calls": list(point_to_point)})
         self.write_json(self._rank_file(rank, "all_reduced.json"), {"rank": rank, "calls": list(all_reduced)})
         self.write_json(self._rank_file(rank, "collectives.json"), {"rank": rank, "calls": list(collectives)})
@@ -551,7 +564,8 @@ class RunFolder:
         def calls(kind: str, key: str = "calls") -> tuple:
             return tuple((self.read_own_json(self._rank_file(rank, kind)) or {}).get(key, ()))
 
-        return RankEvidence(files_written=calls("writes.json", "files"), point_to_point=calls("p2p.json"),
+        return RankEvidence(files_written=calls("writes.json", "files"), secrets_read=calls("writes.json", "secrets_read"),
+                            point_to_point=calls("p2p.json"),
                             all_reduced=calls("all_reduced.json"),
                             collectives=calls("collectives.json"),
                             channel_bytes=dict((self.read_own_json(self._rank_file(rank, "channel_bytes.json")) or {})

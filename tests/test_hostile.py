@@ -360,3 +360,38 @@ def test_a_folder_is_ours_only_by_our_marker(tmp_path):
     with pytest.raises(LaunchError, match="did not create"):
         RunFolder.claim(tmp_path / "grammar")
     assert (tmp_path / "grammar" / "keep.txt").read_text() == "mine"
+
+
+SECRET_READER = """
+import os, shutil, sys
+from ddp_helpers._bootstrap import WriteObserver
+from ddp_helpers.run_folder import RunFolder
+
+folder = RunFolder(sys.argv[1], "run")
+for rank in range(6):
+    (folder.path / f"rank{rank}.secret").write_text(str(rank))
+observer = WriteObserver(folder, rank=0)
+sys.addaudithook(observer)
+open(folder.path / "rank0.secret").read()  # its own: fine
+open(folder.path / "rank1.secret").read()
+os.close(os.open(str(folder.path / "rank2.secret"), os.O_RDONLY))
+os.symlink(folder.path, "folder_by_another_name")
+open(os.path.join("folder_by_another_name", "rank3.secret")).read()
+os.symlink("rank4.secret", folder.path / "innocent.txt")  # relative: the link's own folder
+os.link(folder.path / "rank5.secret", "hard_link")
+shutil.copy(sys.argv[0], "a_copy.py")  # an unrelated file
+print(sorted(observer.secrets_read))
+"""
+
+
+def test_a_rank_opening_another_ranks_secret_is_seen_by_any_route_python_takes(tmp_path):
+    """The run folder holds every rank's secret (the launcher's bookkeeping): a rank's script that opens
+    another's, directly, by a descriptor, through a linked folder, or gives it another name, is noted for
+    the checkers (`RankResult.secrets_read`), its own secret and other files not."""
+    script = tmp_path / "reader.py"
+    script.write_text(SECRET_READER)
+    (tmp_path / "run").mkdir()
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[1, 2, 3, 4, 5]", done.stdout

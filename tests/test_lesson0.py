@@ -92,6 +92,12 @@ WRONG_FIXES = {
         "store.add(f'n{rank}', int(number.item()))\ndist.barrier()\n"
         "mean = torch.tensor([sum(store.add(f'n{r}', 0) for r in range(world_size)) / world_size])\n",
         "key-value store call"),
+    # The launcher's bookkeeping read as a side channel: every rank's secret is a file in the run folder.
+    "the others' secrets read from the run folder": (
+        "from ddp_helpers.lessons.lesson0 import number_of\nfrom ddp_helpers.run_folder import RunFolder\n"
+        "folder = RunFolder.from_environment()\ndist.barrier()  # every rank has drawn its secret\n"
+        "mean = torch.tensor([sum(number_of(folder.read_secret(r)) for r in range(world_size)) / world_size])\n",
+        "rank 0 opened the secret of rank 1"),
 }
 
 

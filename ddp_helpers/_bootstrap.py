@@ -169,14 +169,15 @@ def _warn_if_process_group_left_open(rank: int) -> None:
 class WriteObserver:
     """Notes the files a rank writes (Python audit events "open" for writing, "os.rename"/"os.replace"),
     leaving out the run folder's own bookkeeping (`RunFolder.is_bookkeeping`); and which other ranks' secrets
-    it opened (or linked to) in the run folder: a side channel no real job has, which checkers name."""
+    files it opened (or linked to) in the run folder (secrets, outputs, facts): a side channel no real job has,
+    which checkers name."""
 
     _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
     def __init__(self, folder: RunFolder, rank: int):
         self.folder, self.rank = folder, rank
         self.paths: set[str] = set()
-        self.secrets_read: set[int] = set()
+        self.others_read: dict[int, set[str]] = {}
         # Whether the script opened anything for writing, bookkeeping aside (a descriptor, a path): only then can
         # a buffered file of its be left unflushed at the end (`_finish_like_the_interpreter`).
         self.opened_for_writing = False
@@ -190,25 +191,25 @@ class WriteObserver:
             elif writes:  # os.fdopen(fd, "w") and the like: no path to tell bookkeeping by
                 self.opened_for_writing = True
             if isinstance(path, (str, bytes, os.PathLike)):
-                self._note_secret(path)
+                self._note_other_ranks(path)
         elif event == "socket.__new__":  # a socket's makefile("w") buffers too, with no "open" event
             self.opened_for_writing = True
         elif event == "os.rename":
-            self._note_secret(args[0])
+            self._note_other_ranks(args[0])
             self._note(args[1])
-        elif event in ("os.link", "os.symlink"):  # another name for a secret, opened later under it
+        elif event in ("os.link", "os.symlink"):  # another name for another rank's file, opened under it
             source, link = args[0], args[1]
             if event == "os.symlink" and isinstance(link, (str, bytes)):  # a relative target is the link's folder's
                 source = os.path.join(os.path.dirname(os.fsdecode(link)), os.fsdecode(source))
-            self._note_secret(source)
+            self._note_other_ranks(source)
 
-    def _note_secret(self, path) -> None:
+    def _note_other_ranks(self, path) -> None:
         try:
-            owner = self.folder.secret_owner(path)
+            owner = self.folder.rank_file_owner(path)
         except (TypeError, ValueError):
             return
-        if owner is not None and owner != self.rank:
-            self.secrets_read.add(owner)
+        if owner is not None and owner[0] != self.rank:
+            self.others_read.setdefault(owner[0], set()).add(owner[1])
 
     def _note(self, path) -> None:
         try:
@@ -469,7 +470,7 @@ def main() -> None:
         traceback.print_exc()
     finally:
         if observer is not None:
-            folder.write_evidence(rank, files_written=observer.paths, secrets_read=observer.secrets_read,
+            folder.write_evidence(rank, files_written=observer.paths, others_read=observer.others_read,
                                   point_to_point=_point_to_point.summary(),
                                   all_reduced=_all_reduce_log.summary(),
                                   collectives=_collectives_called(rank), channel_bytes=_channel_bytes.summary())

@@ -47,8 +47,9 @@ class ExerciseReport:
 
 def rank_secrets(run, report: ExerciseReport) -> list[int] | None:
     """Every rank's secret (`ddp_helpers.rank_secret`, which its exercise data comes from) from the run folder;
-    None, with the mistake added to `report`, where one cannot be read, or where a rank opened another's secret
-    there (`RankResult.secrets_read`): every exercise checker starts here, so none judges such a run further."""
+    None, with the mistake added to `report`, where one cannot be read, or where a rank opened another's files
+    there (`RankResult.others_read`: its secret, output, facts): every exercise checker starts here, so none
+    judges such a run further."""
     from .run_folder import RunFolder
 
     folder = RunFolder(run.run_dir)
@@ -56,9 +57,8 @@ def rank_secrets(run, report: ExerciseReport) -> list[int] | None:
     if None in secrets:
         report.mistakes.append("the checker could not read every rank's secret from the run folder; run the cell again")
         return None
-    readers = [f"rank {r.rank} opened the secret{'s' if len(r.secrets_read) > 1 else ''} of "
-               f"rank{'s' if len(r.secrets_read) > 1 else ''} {', '.join(map(str, r.secrets_read))}"
-               for r in run.ranks if r.secrets_read]
+    readers = [f"rank {r.rank} opened rank {other}'s {', '.join(names)}"
+               for r in run.ranks for other, names in sorted(r.others_read.items())]
     if readers:
         report.mistakes.append(
             f"{'; '.join(readers)} in the run folder: that is the launcher's bookkeeping, and no rank of a real job "

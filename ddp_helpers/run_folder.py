@@ -10,7 +10,8 @@
                                      local rank, restart, attempt, world size, node)
         rank0.error.json             the exception that ended rank 0, with its time, if any (`RankErrorRecord`)
         rank0.exit.json              how rank 0's script ended (its exit code), for launches without an agent to ask
-        rank0.writes.json            the files rank 0's script wrote, seen by the bootstrap (`RankEvidence`)
+        rank0.writes.json            the files rank 0's script wrote, and the other ranks' files here it
+                                     opened, seen by the bootstrap (`RankEvidence`)
         rank0.p2p.json               its send/recv calls; rank0.collectives.json: its collectives (flight recorder)
         rank0.all_reduced.json       what its script handed to all_reduce (values of small tensors)
         rank0.secret                 a number only rank 0's process is handed (DDP_HELPERS_RANK_SECRET), drawn at
@@ -30,10 +31,12 @@
 No other module spells these names: each file has its methods here.
 - Paths: `output(rank, stream)`, `fifo(rank, stream)` in `pipes_dir`, `stack_file(rank)`, `hang_request(rank)`,
   `flight_recorder_dump(rank)`, `facts_dir(rank)`, `torchrun_log`, `torchrun_log_dir`, `supervisor_spec`,
-  `job_log(job_id)`; `is_bookkeeping(path)` tells a rank's own files from the folder's.
+  `job_log(job_id)`; `is_bookkeeping(path)` tells a rank's own files from the folder's; `rank_file_owner(path)`
+  names the rank whose file a path is.
 - Written by the ranks (light: no torch import): `from_environment()`, `write_identity(RankIdentity)`,
   `write_error(RankErrorRecord)`, `clear_error(rank)`, `write_exit(rank, code)`,
-  `write_evidence(rank, files_written=, point_to_point=, all_reduced=, collectives=, channel_bytes=)`, `write_hang_answer(rank, answer)`,
+  `write_evidence(rank, files_written=, point_to_point=, all_reduced=, collectives=, channel_bytes=,
+  others_read=)`, `write_hang_answer(rank, answer)`,
   `belongs_to_this_launch()`, `rank_secret(rank)` (drawn once, then read).
 - Written by the supervisor: `write_outcome(outcome, agent=None)`.
 - Read by the launcher: `claim(path)`, `start_launch(run_id)`, `release()`, `read_identity(rank)`,
@@ -81,7 +84,10 @@ AGENT_ENV = "DDP_HELPERS_AGENT"
 NODE_ENV = "DDP_HELPERS_NODE"
 # "1": every rank of the run is on this machine, and the stores it opens must listen on loopback only.
 LOOPBACK_ENV = "DDP_HELPERS_LOOPBACK_ONLY"
-_SECRET_NAME = re.compile(r"rank(\d+)\.secret")
+# One rank's files: rankN.<kind> here and in pipes/, flight_recorder/rankN, facts/rankN/ (`rank_file_owner`).
+_RANK_KINDS = ("stdout", "stderr", "pid", "error.json", "exit.json", "writes.json", "p2p.json", "all_reduced.json",
+               "collectives.json", "channel_bytes.json", "secret", "stack", "hang.request", "hang.json")
+_RANK_FILE = re.compile(r"rank(\d+)(?:\.(" + "|".join(map(re.escape, _RANK_KINDS)) + "))?")
 # The number only this rank's process is handed (`RunFolder.rank_secret`), in its environment.
 SECRET_ENV = "DDP_HELPERS_RANK_SECRET"
 # Starts the line a restarted rank prints first on stdout: where its new attempt begins.
@@ -188,14 +194,14 @@ class RankEvidence:
     """What the bootstrap saw a rank's script do, written as it ended: `rankN.writes.json` (files it
     wrote), `rankN.p2p.json` (send/recv calls), `rankN.all_reduced.json` (what its script handed to
     all_reduce), `rankN.collectives.json` (from the flight recorder) and `rankN.channel_bytes.json` (what its
-    store and point-to-point calls moved)."""
+    store and point-to-point calls moved); `others_read`: {other rank: its files here the script opened}."""
 
     files_written: tuple[str, ...] = ()
     point_to_point: tuple[dict, ...] = ()
     all_reduced: tuple[dict, ...] = ()
     collectives: tuple[dict, ...] = ()
     channel_bytes: dict = field(default_factory=dict)
-    secrets_read: tuple[int, ...] = ()
+    others_read: dict = field(default_factory=dict)
 
 
 def _from_json(cls, value: dict | None):
@@ -364,14 +370,31 @@ class RunFolder:
         write_atomically(self._rank_file(rank, "secret"), str(drawn).encode())
         return drawn
 
-    def secret_owner(self, path) -> int | None:
-        """The rank whose secret file `path` names (its folder reached by any route), or None. Cheap for any
-        other file name: a rank's audit hook asks this of every file its script opens."""
-        path = os.fsdecode(path)
-        match = _SECRET_NAME.fullmatch(os.path.basename(path))
-        if match is None or os.path.realpath(os.path.dirname(os.path.abspath(path))) != os.path.realpath(self.path):
+    def rank_file_owner(self, path) -> tuple[int, str] | None:
+        """(rank, its name in this folder) when `path` is one rank's file here (its secret, output, records,
+        facts, flight-recorder dump, pipes), the folder reached by any route; else None. Cheap for any other
+        path: a rank's audit hook asks this of every file its script opens."""
+        path = os.path.abspath(os.fsdecode(path))
+        if "rank" not in path:
             return None
-        return int(match.group(1))
+        head, name = os.path.split(path)
+        if not _RANK_FILE.fullmatch(name):  # facts/rankN/<name>: the rank's folder is the parent
+            head, rank_dir = os.path.split(head)
+            name = os.path.join(rank_dir, name)
+        match = _RANK_FILE.fullmatch(name.split(os.sep)[0])
+        if match is None:
+            return None
+        head, sub = os.path.split(head)
+        kind = match.group(2)
+        if sub in ("facts", "flight_recorder") and kind is None or sub == "pipes" and kind in ("stdout", "stderr"):
+            name = os.path.join(sub, name)
+        elif kind is not None and os.sep not in name:  # rankN.<kind> in the folder itself
+            head = os.path.join(head, sub)
+        else:
+            return None
+        if os.path.realpath(head) != os.path.realpath(self.path):
+            return None
+        return int(match.group(1)), name
 
     def write_identity(self, identity: RankIdentity) -> None:
         self.write_json(self._rank_file(identity.rank, "pid"), asdict(identity))
@@ -387,9 +410,10 @@ class RunFolder:
         self.write_json(self._rank_file(rank, "exit.json"), {"rank": rank, "exit_code": exit_code})
 
     def write_evidence(self, rank: int, *, files_written, point_to_point, all_reduced, collectives,
-                       channel_bytes: dict, secrets_read=()) -> None:
+                       channel_bytes: dict, others_read=None) -> None:
         self.write_json(self._rank_file(rank, "writes.json"),
-                        {"rank": rank, "files": sorted(files_written), "secrets_read": sorted(secrets_read)})
+                        {"rank": rank, "files": sorted(files_written),
+                         "others_read": {str(other): sorted(names) for other, names in (others_read or {}).items()}})
         self.write_json(self._rank_file(rank, "p2p.json"), {"rank": rank, "calls": list(point_to_point)})
         self.write_json(self._rank_file(rank, "all_reduced.json"), {"rank": rank, "calls": list(all_reduced)})
         self.write_json(self._rank_file(rank, "collectives.json"), {"rank": rank, "calls": list(collectives)})
@@ -564,7 +588,9 @@ class RunFolder:
         def calls(kind: str, key: str = "calls") -> tuple:
             return tuple((self.read_own_json(self._rank_file(rank, kind)) or {}).get(key, ()))
 
-        return RankEvidence(files_written=calls("writes.json", "files"), secrets_read=calls("writes.json", "secrets_read"),
+        others_read = (self.read_own_json(self._rank_file(rank, "writes.json")) or {}).get("others_read") or {}
+        return RankEvidence(files_written=calls("writes.json", "files"),
+                            others_read={int(other): tuple(names) for other, names in others_read.items()},
                             point_to_point=calls("p2p.json"),
                             all_reduced=calls("all_reduced.json"),
                             collectives=calls("collectives.json"),

@@ -362,14 +362,18 @@ def test_a_folder_is_ours_only_by_our_marker(tmp_path):
     assert (tmp_path / "grammar" / "keep.txt").read_text() == "mine"
 
 
-SECRET_READER = """
+OTHER_RANKS_FILES_READER = """
 import os, shutil, sys
 from ddp_helpers._bootstrap import WriteObserver
 from ddp_helpers.run_folder import RunFolder
 
 folder = RunFolder(sys.argv[1], "run")
-for rank in range(6):
+for rank in range(7):
     (folder.path / f"rank{rank}.secret").write_text(str(rank))
+(folder.path / "rank7.stdout").write_text("rank 7: my number 42")
+(folder.path / "facts" / "rank8").mkdir(parents=True)
+(folder.path / "facts" / "rank8" / "mean.json").write_text("{}")
+(folder.path / "rank9.pt").write_text("a file of the script's own, named like ours")
 observer = WriteObserver(folder, rank=0)
 sys.addaudithook(observer)
 open(folder.path / "rank0.secret").read()  # its own: fine
@@ -379,19 +383,25 @@ os.symlink(folder.path, "folder_by_another_name")
 open(os.path.join("folder_by_another_name", "rank3.secret")).read()
 os.symlink("rank4.secret", folder.path / "innocent.txt")  # relative: the link's own folder
 os.link(folder.path / "rank5.secret", "hard_link")
+os.rename(folder.path / "rank6.secret", "moved")
+open(folder.path / "rank7.stdout").read()
+open(folder.path / "facts" / "rank8" / "mean.json").read()
+open(folder.path / "rank9.pt").read()
 shutil.copy(sys.argv[0], "a_copy.py")  # an unrelated file
-print(sorted(observer.secrets_read))
+print({rank: sorted(names) for rank, names in sorted(observer.others_read.items())})
 """
 
 
-def test_a_rank_opening_another_ranks_secret_is_seen_by_any_route_python_takes(tmp_path):
-    """The run folder holds every rank's secret (the launcher's bookkeeping): a rank's script that opens
-    another's, directly, by a descriptor, through a linked folder, or gives it another name, is noted for
-    the checkers (`RankResult.secrets_read`), its own secret and other files not."""
+def test_a_rank_opening_another_ranks_files_is_seen_by_any_route_python_takes(tmp_path):
+    """The run folder holds every rank's secret, output and facts (the launcher's bookkeeping): a rank's
+    script that opens another's, directly, by a descriptor, through a linked folder, or gives it another
+    name, is noted for the checkers (`RankResult.others_read`); its own files and the script's are not."""
     script = tmp_path / "reader.py"
-    script.write_text(SECRET_READER)
+    script.write_text(OTHER_RANKS_FILES_READER)
     (tmp_path / "run").mkdir()
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[1, 2, 3, 4, 5]", done.stdout
+    expected = {**{rank: [f"rank{rank}.secret"] for rank in range(1, 7)}, 7: ["rank7.stdout"],
+                8: ["facts/rank8/mean.json"]}
+    assert done.stdout.strip() == str(expected), done.stdout

@@ -97,7 +97,7 @@ WRONG_FIXES = {
         "from ddp_helpers.lessons.lesson0 import number_of\nfrom ddp_helpers.run_folder import RunFolder\n"
         "folder = RunFolder.from_environment()\ndist.barrier()  # every rank has drawn its secret\n"
         "mean = torch.tensor([sum(number_of(folder.read_secret(r)) for r in range(world_size)) / world_size])\n",
-        "rank 0 opened the secret of rank 1"),
+        "rank 0 opened rank 1's rank1.secret"),
 }
 
 

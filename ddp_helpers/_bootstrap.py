@@ -168,21 +168,25 @@ def _warn_if_process_group_left_open(rank: int) -> None:
 
 class WriteObserver:
     """Notes the files a rank writes (Python audit events "open" for writing, "os.rename"/"os.replace"),
-    leaving out the run folder's own bookkeeping (`RunFolder.is_bookkeeping`); and which other ranks' secrets
-    files it opened (or linked to) in the run folder (secrets, outputs, facts): a side channel no real job has,
-    which checkers name."""
+    leaving out the run folder's own bookkeeping (`RunFolder.is_bookkeeping`); and each crossing into other
+    ranks' files in the run folder (their secrets, outputs, facts: opened, linked to, renamed, removed) or a
+    change to its own secret: a side channel no real job has, which checkers name. Crossings are appended to
+    the rank's `crossings` file as they happen (`RunFolder.note_crossing`), so that neither an `os._exit`, a
+    forked child's end nor a restart loses them."""
 
     _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
     def __init__(self, folder: RunFolder, rank: int):
         self.folder, self.rank = folder, rank
         self.paths: set[str] = set()
-        self.others_read: dict[int, set[str]] = {}
+        self._noting = False  # noting a crossing opens a file: that open is ours
         # Whether the script opened anything for writing, bookkeeping aside (a descriptor, a path): only then can
         # a buffered file of its be left unflushed at the end (`_finish_like_the_interpreter`).
         self.opened_for_writing = False
 
     def __call__(self, event: str, args: tuple) -> None:
+        if self._noting:
+            return
         if event == "open":
             path, mode, flags = args
             writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & self._WRITE_FLAGS)
@@ -191,25 +195,36 @@ class WriteObserver:
             elif writes:  # os.fdopen(fd, "w") and the like: no path to tell bookkeeping by
                 self.opened_for_writing = True
             if isinstance(path, (str, bytes, os.PathLike)):
-                self._note_other_ranks(path)
+                self._note_crossing(path, "changed" if writes else "opened")
         elif event == "socket.__new__":  # a socket's makefile("w") buffers too, with no "open" event
             self.opened_for_writing = True
         elif event == "os.rename":
-            self._note_other_ranks(args[0])
+            self._note_crossing(args[0], "moved")
+            self._note_crossing(args[1], "replaced")
             self._note(args[1])
-        elif event in ("os.link", "os.symlink"):  # another name for another rank's file, opened under it
+        elif event in ("os.link", "os.symlink"):  # another name for a rank's file, or a file in its place
             source, link = args[0], args[1]
             if event == "os.symlink" and isinstance(link, (str, bytes)):  # a relative target is the link's folder's
                 source = os.path.join(os.path.dirname(os.fsdecode(link)), os.fsdecode(source))
-            self._note_other_ranks(source)
+            self._note_crossing(source, "linked to")
+            self._note_crossing(link, "replaced")
+        elif event in ("os.remove", "os.truncate"):
+            self._note_crossing(args[0], "changed")
 
-    def _note_other_ranks(self, path) -> None:
+    def _note_crossing(self, path, how: str) -> None:
         try:
             owner = self.folder.rank_file_owner(path)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OSError):
             return
-        if owner is not None and owner[0] != self.rank:
-            self.others_read.setdefault(owner[0], set()).add(owner[1])
+        if owner is None or how == "opened" and owner[0] == self.rank:
+            return
+        if owner[0] == self.rank and not self.folder.is_secret(owner[1]):
+            return  # its own output, records, facts: the launcher's writing, or harmless
+        self._noting = True
+        try:
+            self.folder.note_crossing(self.rank, owner[1], how)
+        finally:
+            self._noting = False
 
     def _note(self, path) -> None:
         try:
@@ -470,7 +485,7 @@ def main() -> None:
         traceback.print_exc()
     finally:
         if observer is not None:
-            folder.write_evidence(rank, files_written=observer.paths, others_read=observer.others_read,
+            folder.write_evidence(rank, files_written=observer.paths,
                                   point_to_point=_point_to_point.summary(),
                                   all_reduced=_all_reduce_log.summary(),
                                   collectives=_collectives_called(rank), channel_bytes=_channel_bytes.summary())

@@ -47,24 +47,37 @@ class ExerciseReport:
 
 def rank_secrets(run, report: ExerciseReport) -> list[int] | None:
     """Every rank's secret (`ddp_helpers.rank_secret`, which its exercise data comes from) from the run folder;
-    None, with the mistake added to `report`, where one cannot be read, or where a rank opened another's files
-    there (`RankResult.others_read`: its secret, output, facts): every exercise checker starts here, so none
-    judges such a run further."""
+    None, with the mistake added to `report`, where one cannot be read, or where a rank's script went into
+    other ranks' files there or changed its own secret (`RankResult.crossings`): every exercise checker starts
+    here, so none judges such a run further."""
     from .run_folder import RunFolder
 
+    crossed = [f"rank {r.rank} {_listed(r.crossings)}" for r in run.ranks if r.crossings]
+    if crossed:
+        report.mistakes.append(
+            f"{'; '.join(crossed)} in the run folder. Those files are the launcher's record of the run, not the "
+            "ranks' data: a real job has none, each rank's data lives in its own process. How else can a rank "
+            "learn what another holds?")
+        return None
     folder = RunFolder(run.run_dir)
     secrets = [folder.read_secret(r.rank) for r in run.ranks]
     if None in secrets:
         report.mistakes.append("the checker could not read every rank's secret from the run folder; run the cell again")
         return None
-    readers = [f"rank {r.rank} opened rank {other}'s {', '.join(names)}"
-               for r in run.ranks for other, names in sorted(r.others_read.items())]
-    if readers:
-        report.mistakes.append(
-            f"{'; '.join(readers)} in the run folder: that is the launcher's bookkeeping, and no rank of a real job "
-            "can read another's data. A rank learns what another holds only through a collective")
-        return None
     return secrets
+
+
+def _listed(crossings) -> str:
+    """The crossings as one phrase: one verb for each run of crossings with the same verb, the names joined."""
+    groups: list[tuple[str, list[str]]] = []
+    for crossing in crossings:
+        how, _, name = crossing.rpartition(" ")
+        if groups and groups[-1][0] == how:
+            groups[-1][1].append(name)
+        else:
+            groups.append((how, [name]))
+    return ", ".join(f"{how} {' and '.join(names) if len(names) < 3 else ', '.join(names[:-1]) + ' and ' + names[-1]}"
+                     for how, names in groups)
 
 
 def side_channels(run, *, files: bool = True) -> str | None:

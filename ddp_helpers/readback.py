@@ -115,7 +115,7 @@ def _rank_result(folder: RunFolder, rank: int, identity: RankIdentity, exit_code
         all_reduced=evidence.all_reduced,
         collectives=evidence.collectives,
         channel_bytes=evidence.channel_bytes,
-        others_read=evidence.others_read,
+        crossings=evidence.crossings,
         agent=identity.agent,
         group_rank=identity.group_rank,
         local_rank=identity.local_rank,

@@ -68,9 +68,9 @@ class RankResult:
             classes: {"sent_bytes", "received_bytes"} of point-to-point calls (however reached), and
             {"store_calls", "store_bytes"} of key-value store calls (keys and values); empty if the rank
             did not end normally.
-        others_read: {other rank: its files in the run folder this rank's script opened, or gave another name
-            (a link, a rename)}: its secret (`ddp_helpers.rank_secret`), output, facts, as the launcher saw it;
-            exercise checkers name it. Empty if the rank did not end normally.
+        crossings: what its script did to other ranks' files in the run folder (their secrets, outputs,
+            facts), or to its own secret, as the launcher saw it: "opened", "changed", "linked to"... and the
+            file's name there (`RunFolder.note_crossing`); exercise checkers name it. Kept however the rank ended.
         agent: which of the run's torchrun agents started it (0 .. nnodes - 1; None if it never started).
         group_rank, local_rank: its agent's place in the rendezvous (GROUP_RANK), and its LOCAL_RANK there.
         restart: the restart count (TORCHELASTIC_RESTART_COUNT) of its latest attempt: 0 if never restarted.
@@ -92,7 +92,7 @@ class RankResult:
     all_reduced: tuple[dict, ...] = ()
     collectives: tuple[dict, ...] = ()
     channel_bytes: dict = field(default_factory=dict)
-    others_read: dict = field(default_factory=dict)
+    crossings: tuple[str, ...] = ()
     agent: int | None = None
     group_rank: int | None = None
     local_rank: int | None = None

@@ -10,8 +10,9 @@
                                      local rank, restart, attempt, world size, node)
         rank0.error.json             the exception that ended rank 0, with its time, if any (`RankErrorRecord`)
         rank0.exit.json              how rank 0's script ended (its exit code), for launches without an agent to ask
-        rank0.writes.json            the files rank 0's script wrote, and the other ranks' files here it
-                                     opened, seen by the bootstrap (`RankEvidence`)
+        rank0.writes.json            the files rank 0's script wrote, seen by the bootstrap (`RankEvidence`)
+        rank0.crossings              other ranks' files here its script opened or changed, or its own secret
+                                     changed, one line each as it happened (`note_crossing`)
         rank0.p2p.json               its send/recv calls; rank0.collectives.json: its collectives (flight recorder)
         rank0.all_reduced.json       what its script handed to all_reduce (values of small tensors)
         rank0.secret                 a number only rank 0's process is handed (DDP_HELPERS_RANK_SECRET), drawn at
@@ -35,8 +36,8 @@ No other module spells these names: each file has its methods here.
   names the rank whose file a path is.
 - Written by the ranks (light: no torch import): `from_environment()`, `write_identity(RankIdentity)`,
   `write_error(RankErrorRecord)`, `clear_error(rank)`, `write_exit(rank, code)`,
-  `write_evidence(rank, files_written=, point_to_point=, all_reduced=, collectives=, channel_bytes=,
-  others_read=)`, `write_hang_answer(rank, answer)`,
+  `write_evidence(rank, files_written=, point_to_point=, all_reduced=, collectives=, channel_bytes=)`,
+  `note_crossing(rank, name, how)`, `write_hang_answer(rank, answer)`,
   `belongs_to_this_launch()`, `rank_secret(rank)` (drawn once, then read).
 - Written by the supervisor: `write_outcome(outcome, agent=None)`.
 - Read by the launcher: `claim(path)`, `start_launch(run_id)`, `release()`, `read_identity(rank)`,
@@ -86,8 +87,10 @@ NODE_ENV = "DDP_HELPERS_NODE"
 LOOPBACK_ENV = "DDP_HELPERS_LOOPBACK_ONLY"
 # One rank's files: rankN.<kind> here and in pipes/, flight_recorder/rankN, facts/rankN/ (`rank_file_owner`).
 _RANK_KINDS = ("stdout", "stderr", "pid", "error.json", "exit.json", "writes.json", "p2p.json", "all_reduced.json",
-               "collectives.json", "channel_bytes.json", "secret", "stack", "hang.request", "hang.json")
+               "collectives.json", "channel_bytes.json", "secret", "stack", "hang.request", "hang.json", "crossings")
 _RANK_FILE = re.compile(r"rank(\d+)(?:\.(" + "|".join(map(re.escape, _RANK_KINDS)) + "))?")
+_TEMPORARY = re.compile(r"\.(.+)\.\w+\.tmp")  # write_atomically's, for the file it will replace
+_AGENT_OUTCOME = re.compile(r"agent\d+\.outcome\.json")
 # The number only this rank's process is handed (`RunFolder.rank_secret`), in its environment.
 SECRET_ENV = "DDP_HELPERS_RANK_SECRET"
 # Starts the line a restarted rank prints first on stdout: where its new attempt begins.
@@ -194,14 +197,15 @@ class RankEvidence:
     """What the bootstrap saw a rank's script do, written as it ended: `rankN.writes.json` (files it
     wrote), `rankN.p2p.json` (send/recv calls), `rankN.all_reduced.json` (what its script handed to
     all_reduce), `rankN.collectives.json` (from the flight recorder) and `rankN.channel_bytes.json` (what its
-    store and point-to-point calls moved); `others_read`: {other rank: its files here the script opened}."""
+    store and point-to-point calls moved); `crossings` (`rankN.crossings`, as they happened): "changed
+    rank1.secret", "opened rank0.stdout"... into other ranks' files here, or its own secret changed."""
 
     files_written: tuple[str, ...] = ()
     point_to_point: tuple[dict, ...] = ()
     all_reduced: tuple[dict, ...] = ()
     collectives: tuple[dict, ...] = ()
     channel_bytes: dict = field(default_factory=dict)
-    others_read: dict = field(default_factory=dict)
+    crossings: tuple[str, ...] = ()
 
 
 def _from_json(cls, value: dict | None):
@@ -346,14 +350,18 @@ class RunFolder:
         return self.path / f"job-{job_id}.out"
 
     def is_bookkeeping(self, path: str) -> bool:
-        """True for the folder's own files (the ranks' outputs and records, facts, dumps, the agents'
-        outcomes, hidden temporary files): not files a rank's script wrote."""
+        """True for the folder's own files, by their exact names (the ranks' outputs and records, facts, dumps,
+        the agents' outcomes, the launch's hidden files, and write_atomically's temporary files of them): not
+        files a rank's script wrote, whatever it names them."""
         folder, name = os.path.split(path)
-        own = str(self.path)
-        if folder == own:
-            return (name.startswith((".", "rank")) or name in ("outcome.json", "torchrun.log", "supervisor.json")
-                    or (name.startswith("agent") and name.endswith(".outcome.json")))
-        return path.startswith(tuple(own + os.sep + sub + os.sep for sub in ("facts", "flight_recorder", "pipes")))
+        temporary = _TEMPORARY.fullmatch(name)
+        if temporary is not None:
+            name, path = temporary.group(1), os.path.join(folder, temporary.group(1))
+        if folder == str(self.path) and (
+                name in (MARKER_NAME, LOCK_NAME, ".kill_request.json", ".forked", "outcome.json", "torchrun.log",
+                         "supervisor.json") or _AGENT_OUTCOME.fullmatch(name)):
+            return True
+        return self.rank_file_owner(path) is not None
 
     # ---- written by the ranks ---------------------------------------------------------------------
 
@@ -372,29 +380,63 @@ class RunFolder:
 
     def rank_file_owner(self, path) -> tuple[int, str] | None:
         """(rank, its name in this folder) when `path` is one rank's file here (its secret, output, records,
-        facts, flight-recorder dump, pipes), the folder reached by any route; else None. Cheap for any other
-        path: a rank's audit hook asks this of every file its script opens."""
-        path = os.path.abspath(os.fsdecode(path))
+        facts, flight-recorder dump, pipes), reached by any route (links and ".." resolved); else None. A bare
+        relative `rankN.<kind>` counts when this folder has it (it may be opened relative to a folder
+        descriptor). Cheap for other paths: a rank's audit hook asks this of every file its script opens."""
+        path = os.fsdecode(path)
         if "rank" not in path:
             return None
-        head, name = os.path.split(path)
-        if not _RANK_FILE.fullmatch(name):  # facts/rankN/<name>: the rank's folder is the parent
-            head, rank_dir = os.path.split(head)
-            name = os.path.join(rank_dir, name)
-        match = _RANK_FILE.fullmatch(name.split(os.sep)[0])
-        if match is None:
+        real = os.path.join(os.path.realpath(os.path.dirname(os.path.join(os.getcwd(), path))), os.path.basename(path))
+        parts = os.path.relpath(real, self._real_path()).split(os.sep)
+        if parts[0] == os.pardir and not os.path.isabs(path) and os.sep not in path and (self.path / path).exists():
+            parts = [path]
+        first = _RANK_FILE.fullmatch(parts[0])
+        if len(parts) == 1 and first is not None and first.group(2) is not None:
+            return int(first.group(1)), parts[0]
+        second = _RANK_FILE.fullmatch(parts[1]) if len(parts) > 1 else None
+        if second is None:
             return None
-        head, sub = os.path.split(head)
-        kind = match.group(2)
-        if sub in ("facts", "flight_recorder") and kind is None or sub == "pipes" and kind in ("stdout", "stderr"):
-            name = os.path.join(sub, name)
-        elif kind is not None and os.sep not in name:  # rankN.<kind> in the folder itself
-            head = os.path.join(head, sub)
-        else:
-            return None
-        if os.path.realpath(head) != os.path.realpath(self.path):
-            return None
-        return int(match.group(1)), name
+        if (parts[0] == "facts" and second.group(2) is None or parts[0] == "flight_recorder" and len(parts) == 2
+                and second.group(2) is None or parts[0] == "pipes" and len(parts) == 2
+                and second.group(2) in ("stdout", "stderr")):
+            return int(second.group(1)), os.path.join(*parts)
+        return None
+
+    @staticmethod
+    def is_secret(name: str) -> bool:
+        """Whether `name` (as `rank_file_owner` gives it) is a rank's secret."""
+        match = _RANK_FILE.fullmatch(name)
+        return match is not None and match.group(2) == "secret"
+
+    def _real_path(self) -> str:
+        if getattr(self, "_real", None) is None:
+            self._real = os.path.realpath(self.path)
+        return self._real
+
+    def note_crossing(self, rank: int, name: str, how: str) -> None:
+        """Rank `rank`'s script `how` ("opened", "changed", "linked to"...) the file `name` of this folder:
+        one line appended at once (a rank that then ends with os._exit, or a forked child, keeps it)."""
+        line = json.dumps({"run_id": self.run_id, "what": f"{how} {name}"}) + "\n"
+        try:
+            fd = os.open(self._rank_file(rank, "crossings"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return
+        try:
+            os.write(fd, line.encode())  # one short write: appends from a rank's forks never interleave
+        finally:
+            os.close(fd)
+
+    def read_crossings(self, rank: int) -> tuple[str, ...]:
+        """What `note_crossing` noted for `rank` in this launch, in order, each once."""
+        seen = []
+        for line in self.read_text(self._rank_file(rank, "crossings")).splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("run_id") == self.run_id and entry.get("what") not in seen:
+                seen.append(str(entry.get("what")))
+        return tuple(seen)
 
     def write_identity(self, identity: RankIdentity) -> None:
         self.write_json(self._rank_file(identity.rank, "pid"), asdict(identity))
@@ -410,10 +452,8 @@ class RunFolder:
         self.write_json(self._rank_file(rank, "exit.json"), {"rank": rank, "exit_code": exit_code})
 
     def write_evidence(self, rank: int, *, files_written, point_to_point, all_reduced, collectives,
-                       channel_bytes: dict, others_read=None) -> None:
-        self.write_json(self._rank_file(rank, "writes.json"),
-                        {"rank": rank, "files": sorted(files_written),
-                         "others_read": {str(other): sorted(names) for other, names in (others_read or {}).items()}})
+                       channel_bytes: dict) -> None:
+        self.write_json(self._rank_file(rank, "writes.json"), {"rank": rank, "files": sorted(files_written)})
         self.write_json(self._rank_file(rank, "p2p.json"), {"rank": rank, "calls": list(point_to_point)})
         self.write_json(self._rank_file(rank, "all_reduced.json"), {"rank": rank, "calls": list(all_reduced)})
         self.write_json(self._rank_file(rank, "collectives.json"), {"rank": rank, "calls": list(collectives)})
@@ -588,9 +628,7 @@ class RunFolder:
         def calls(kind: str, key: str = "calls") -> tuple:
             return tuple((self.read_own_json(self._rank_file(rank, kind)) or {}).get(key, ()))
 
-        others_read = (self.read_own_json(self._rank_file(rank, "writes.json")) or {}).get("others_read") or {}
-        return RankEvidence(files_written=calls("writes.json", "files"),
-                            others_read={int(other): tuple(names) for other, names in others_read.items()},
+        return RankEvidence(files_written=calls("writes.json", "files"), crossings=self.read_crossings(rank),
                             point_to_point=calls("p2p.json"),
                             all_reduced=calls("all_reduced.json"),
                             collectives=calls("collectives.json"),

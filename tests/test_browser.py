@@ -59,7 +59,8 @@ LESSON_EXPECTATIONS = {
     "04": ("\u2713 the final parameters are bitwise those of the run without a kill, on every rank",
            "ran twice: before the kill and again after the restart", 3),
     "05": ("\u2713 and the report names the ranks that never called it", "the run hangs. The ranks disagree", 1),
-    "06": ("\u2022 fp16 sent exactly half the bytes in every step", "not half. Section 5 measured what DDP can send", 5),    "07": ("\u2713 at every cap, on every rank, your buckets made as many all-reduces a step as torch DDP's",
+    "06": ("\u2022 fp16 sent exactly half the bytes in every step", "not half. Section 5 measured what DDP can send", 5),
+    "07": ("\u2713 at every cap, on every rank, your buckets made as many all-reduces a step as torch DDP's",
            "no rank all-reduced a gradient", 2),
 }
 # Seconds with no cell running and cells left unrun after which Run All has stopped at an error (Run All
@@ -79,6 +80,14 @@ def find_chromium() -> str:
     )
 
 
+# How many ports JupyterLab is started on before the test gives up (each taken by another process meanwhile).
+PORT_ATTEMPTS = 5
+
+
+class PortTaken(AssertionError):
+    """JupyterLab exited: the port chosen for it was taken before it could bind it."""
+
+
 class JupyterLab:
     """A JupyterLab server for the test, with its own settings, runtime folder and marker."""
 
@@ -88,7 +97,6 @@ class JupyterLab:
         shutil.copytree(course_notebooks()[0].parent, self.root / "notebooks")
         self.token = secrets.token_hex(16)
         self.marker = uuid.uuid4().hex
-        self.port = free_port()
         settings = scratch / "user-settings"
         # The test's own complete settings, whatever the environment ships: every cell stays in the page (no
         # virtual scrolling) so all can be checked; the kernel starts without a "Select Kernel" dialog; no
@@ -108,23 +116,36 @@ class JupyterLab:
             "JUPYTERLAB_WORKSPACES_DIR": str(scratch / "workspaces"),
             MARKER_ENV: self.marker,
         }
-        self.log = open(scratch / "jupyterlab.log", "wb")
-        self.process = subprocess.Popen(
-            [
-                sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
-                "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
-                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
-            ],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._wait_until_ready(scratch / "jupyterlab.log")
+        # The port is free when chosen, but any process may take it before JupyterLab binds it (the launches
+        # of other tests bind ports the OS picks): JupyterLab then exits saying so, and starts again on another.
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self.port = free_port()
+            self.log = open(scratch / "jupyterlab.log", "wb")
+            self.process = subprocess.Popen(
+                [
+                    sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
+                    "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+                    f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
+                ],
+                env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+            self.url = f"http://127.0.0.1:{self.port}"
+            try:
+                self._wait_until_ready(scratch / "jupyterlab.log")
+                return
+            except PortTaken:
+                self.log.close()
+                if attempt == PORT_ATTEMPTS:
+                    raise
 
     def _wait_until_ready(self, log_path: Path, timeout_s: float = 90) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise AssertionError(f"JupyterLab exited:\n{log_path.read_text()[-3000:]}")
+                log = log_path.read_text()
+                if f"port {self.port} is not available" in log:
+                    raise PortTaken(log[-3000:])
+                raise AssertionError(f"JupyterLab exited:\n{log[-3000:]}")
             try:
                 with urllib.request.urlopen(f"{self.url}/api/status?token={self.token}", timeout=2) as response:
                     if response.status == 200:

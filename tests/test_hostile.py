@@ -368,15 +368,16 @@ from ddp_helpers._bootstrap import WriteObserver
 from ddp_helpers.run_folder import RunFolder
 
 folder = RunFolder(sys.argv[1], "run")
-for rank in range(7):
+for rank in (*range(9), 13):
     (folder.path / f"rank{rank}.secret").write_text(str(rank))
-(folder.path / "rank7.stdout").write_text("rank 7: my number 42")
-(folder.path / "facts" / "rank8").mkdir(parents=True)
-(folder.path / "facts" / "rank8" / "mean.json").write_text("{}")
+(folder.path / "rank10.stdout").write_text("rank 10: my number 42")
+for rank in (0, 11, 12):
+    (folder.path / "facts" / f"rank{rank}").mkdir(parents=True)
+    (folder.path / "facts" / f"rank{rank}" / "mean.json").write_text("{}")
 (folder.path / "rank9.pt").write_text("a file of the script's own, named like ours")
 observer = WriteObserver(folder, rank=0)
 sys.addaudithook(observer)
-open(folder.path / "rank0.secret").read()  # its own: fine
+open(folder.path / "rank0.secret").read()  # its own, read: fine
 open(folder.path / "rank1.secret").read()
 os.close(os.open(str(folder.path / "rank2.secret"), os.O_RDONLY))
 os.symlink(folder.path, "folder_by_another_name")
@@ -384,24 +385,42 @@ open(os.path.join("folder_by_another_name", "rank3.secret")).read()
 os.symlink("rank4.secret", folder.path / "innocent.txt")  # relative: the link's own folder
 os.link(folder.path / "rank5.secret", "hard_link")
 os.rename(folder.path / "rank6.secret", "moved")
-open(folder.path / "rank7.stdout").read()
-open(folder.path / "facts" / "rank8" / "mean.json").read()
+open("planted", "w").write("7")
+os.replace("planted", folder.path / "rank7.secret")  # another rank's secret, replaced
+open(folder.path / "rank0.secret", "w").write("0")  # its own secret, changed
+os.remove(folder.path / "rank8.secret")
+open(folder.path / "rank10.stdout").read()
+open(folder.path / "facts" / "rank11" / "mean.json").read()
+os.symlink(folder.path / "facts" / "rank0", "own_facts")
+open(os.path.join("own_facts", "..", "rank12", "mean.json")).read()  # ".." through a link of its own
 open(folder.path / "rank9.pt").read()
+open(folder.path / "rank0.txt", "w").write("a file the script wrote, named like ours")
 shutil.copy(sys.argv[0], "a_copy.py")  # an unrelated file
-print({rank: sorted(names) for rank, names in sorted(observer.others_read.items())})
+here, directory = os.getcwd(), os.open(folder.path, os.O_RDONLY)
+os.chdir(os.path.dirname(here))
+os.close(os.open("rank13.secret", os.O_RDONLY, dir_fd=directory))  # relative to a folder's descriptor
+os.chdir(here)
+print(list(folder.read_crossings(0)))
+print(sorted(os.path.basename(p) for p in observer.paths))
 """
 
 
-def test_a_rank_opening_another_ranks_files_is_seen_by_any_route_python_takes(tmp_path):
-    """The run folder holds every rank's secret, output and facts (the launcher's bookkeeping): a rank's
-    script that opens another's, directly, by a descriptor, through a linked folder, or gives it another
-    name, is noted for the checkers (`RankResult.others_read`); its own files and the script's are not."""
+def test_a_rank_going_into_other_ranks_files_is_seen_by_any_route_python_takes(tmp_path):
+    """The run folder holds every rank's secret, output and facts (the launcher's bookkeeping): a rank's script
+    that opens another's (directly, by a descriptor, through a linked folder or "..", relative to a folder
+    descriptor), links or renames it, removes it, plants a file in its place, or changes its own secret, is
+    noted for the checkers at once (`RunFolder.note_crossing`); reading its own files, and the script's own
+    files, are not. A file the script writes is seen as written whatever its name."""
     script = tmp_path / "reader.py"
     script.write_text(OTHER_RANKS_FILES_READER)
     (tmp_path / "run").mkdir()
     done = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    expected = {**{rank: [f"rank{rank}.secret"] for rank in range(1, 7)}, 7: ["rank7.stdout"],
-                8: ["facts/rank8/mean.json"]}
-    assert done.stdout.strip() == str(expected), done.stdout
+    crossings, written = done.stdout.strip().splitlines()
+    assert eval(crossings) == [  # noqa: S307 - our own script's printed list
+        "opened rank1.secret", "opened rank2.secret", "opened rank3.secret", "linked to rank4.secret",
+        "linked to rank5.secret", "moved rank6.secret", "replaced rank7.secret", "changed rank0.secret",
+        "changed rank8.secret", "opened rank10.stdout", "opened facts/rank11/mean.json",
+        "opened facts/rank12/mean.json", "opened rank13.secret"], crossings
+    assert "rank0.txt" in eval(written), written  # noqa: S307

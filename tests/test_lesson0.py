@@ -92,12 +92,29 @@ WRONG_FIXES = {
         "store.add(f'n{rank}', int(number.item()))\ndist.barrier()\n"
         "mean = torch.tensor([sum(store.add(f'n{r}', 0) for r in range(world_size)) / world_size])\n",
         "key-value store call"),
-    # The launcher's bookkeeping read as a side channel: every rank's secret is a file in the run folder.
+    # Files named like the launcher's are still files the script wrote.
+    "numbers passed through files named like the launcher's": (
+        "open(f'rank{rank}.txt', 'w').write(str(number.item()))\ndist.barrier()\n"
+        "mean = torch.tensor([sum(float(open(f'rank{r}.txt').read()) for r in range(world_size)) / world_size])\n",
+        "wrote "),
+    # The launcher's bookkeeping read as a side channel: every rank's secret is a file in the run folder; and
+    # read by a rank that then leaves without the bootstrap's end (os._exit), or one that plants its own.
     "the others' secrets read from the run folder": (
         "from ddp_helpers.lessons.lesson0 import number_of\nfrom ddp_helpers.run_folder import RunFolder\n"
         "folder = RunFolder.from_environment()\ndist.barrier()  # every rank has drawn its secret\n"
         "mean = torch.tensor([sum(number_of(folder.read_secret(r)) for r in range(world_size)) / world_size])\n",
-        "rank 0 opened rank 1's rank1.secret"),
+        "rank 0 opened rank1.secret"),
+    "the others' secrets read, and the rank leaving by os._exit": (
+        "from ddp_helpers.lessons.lesson0 import number_of\nfrom ddp_helpers.run_folder import RunFolder\n"
+        "folder = RunFolder.from_environment()\ndist.barrier()  # every rank has drawn its secret\n"
+        "mean = torch.tensor([sum(number_of(folder.read_secret(r)) for r in range(world_size)) / world_size])\n"
+        "import atexit, os, sys\natexit.register(lambda: (sys.stdout.flush(), os._exit(0)))\n",
+        "rank 0 opened rank1.secret"),
+    "every rank's secret replaced by one number": (
+        "from ddp_helpers.lessons.lesson0 import number_of\nfrom ddp_helpers.run_folder import RunFolder\n"
+        "open(RunFolder.from_environment().path / f'rank{rank}.secret', 'w').write('7')\n"
+        "mean = torch.tensor([number_of(7)])\n",
+        "rank 0 changed rank0.secret"),
 }
 
 

@@ -187,6 +187,12 @@ class WriteObserver:
     def __call__(self, event: str, args: tuple) -> None:
         if self._noting:
             return
+        try:
+            self._observe(event, args)
+        except Exception:  # noqa: BLE001 - a hook that raises would fail the script's own operation
+            pass
+
+    def _observe(self, event: str, args: tuple) -> None:
         if event == "open":
             path, mode, flags = args
             writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & self._WRITE_FLAGS)

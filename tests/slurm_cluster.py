@@ -17,6 +17,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from ddp_helpers.rendezvous_port import rendezvous_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "scontrol", "sinfo")
 
 
@@ -25,9 +27,7 @@ def slurm_installed() -> bool:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return rendezvous_port("127.0.0.1")  # below the OS's ephemeral range: no launch of the suite takes it first
 
 
 def _alive(pid: int) -> bool:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ddp_helpers import launch, make_launch_config
 from ddp_helpers.config import Hardware
+from ddp_helpers.rendezvous_port import rendezvous_port
 from ddp_helpers.processes import marked_processes
 from ddp_helpers.torch_compat import GLOO_CONNECTION_LINE
 
@@ -140,7 +141,6 @@ DAEMON_SOURCE = textwrap.dedent(
 
 
 def free_port() -> int:
-    """A port free on loopback right now (for a command that must be given one, as a job script names one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on loopback now, below the range the OS hands out to other sockets, so that none of the
+    suite's launches takes it first (for a command that must be given one, as a job script names one)."""
+    return rendezvous_port("127.0.0.1")

@@ -104,7 +104,7 @@ def test_the_timeout_cancels_the_job_and_leaves_no_process(cluster, write_script
     config = make_launch_config(write_script("sleeper", SLEEPER), job=SlurmJob(nodes=2), nproc=2, timeout_s=12,
                                 stream=False)
     run = launch(config)
-    assert run.timed_out and not run.ok
+    assert run.timed_out and not run.ok, failure_report(run)
     assert not cluster.jobs(), "the job must be cancelled"
     wait_until(lambda: not processes_left(RUN_ID_ENV, run.run_id), 15, "no process of the job is left")
 

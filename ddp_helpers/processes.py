@@ -62,14 +62,18 @@ def set_process_name(name: str) -> None:
 
 def marked_processes(run_id: str, marker_env: str) -> list[int]:
     """PIDs of live processes of a run: their environment holds `marker_env=run_id` (started with exec),
-    or their name is `process_name_for(run_id)` (forked from a warm process)."""
+    or their name is `process_name_for(run_id)` (forked from a warm process). Only this user's: anyone can
+    name a process so (names are public in /proc), and a stranger's is neither the run's nor ours to kill."""
     needle = f"{marker_env}={run_id}".encode()
     name = process_name_for(run_id).encode()
+    me = os.geteuid()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
+            if os.stat(f"/proc/{entry}").st_uid != me:
+                continue
             with open(f"/proc/{entry}/comm", "rb") as f:
                 if f.read().strip() == name:
                     found.append(int(entry))
@@ -101,7 +105,7 @@ def kill_marked(run_id: str, marker_env: str, wait_s: float = 5.0,
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # gone, or (its pid reused meanwhile) not ours
             pass
     deadline = time.monotonic() + wait_s
     while pids and time.monotonic() < deadline:

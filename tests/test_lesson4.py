@@ -5,7 +5,6 @@ against the checker's own copy of the exercise run without a kill), not for what
 that change the training itself (reseeding, no dropout, one seed for all) fail too."""
 
 import re
-import shutil
 
 import tempfile
 from pathlib import Path
@@ -66,6 +65,13 @@ WRONG_FIXES = {
                                 "ended with other weights than the exercise's training without a kill"),
     "momentum reset on resume": (SOLUTION.replace("    optimizer.load_state_dict(snapshot[\"optimizer\"])\n", ""),
                                  "ended with other weights"),
+    # Every rank's random state reaches rank 0 through the rendezvous store instead of a collective.
+    "the random states passed through the store": (SOLUTION.replace(
+        "        dist.all_gather_object(states, state)\n",
+        "        store, pickle = dist.distributed_c10d._get_default_store(), __import__('pickle')\n"
+        "        store.set(f'rng{rank}-{step}', pickle.dumps(state))\n"
+        "        states = [pickle.loads(store.get(f'rng{r}-{step}')) for r in range(world_size)]\n"),
+        "passed data around the collectives"),
 }
 
 
@@ -197,7 +203,7 @@ def test_each_part_of_the_lessons_snapshot_is_needed(write_script):
 
 
 @pytest.mark.parametrize("traps_sigterm", [True, False])
-def test_a_sigterm_to_torchrun_is_survived_only_by_a_training_that_traps_it(traps_sigterm):
+def test_a_sigterm_to_torchrun_is_survived_only_by_a_training_that_traps_it(traps_sigterm, tmp_path, monkeypatch):
     """Lesson 4's preemption on this machine: torchrun's agent, sent SIGTERM, passes it to its workers. The
     lesson's training traps it, saves the step both ranks finished and resumes there; without the trap (only
     --signal's SIGUSR1) the workers die without a snapshot and the next run starts over."""
@@ -206,8 +212,9 @@ def test_a_sigterm_to_torchrun_is_survived_only_by_a_training_that_traps_it(trap
     trap = "signal.signal(signal.SIGTERM, on_warning)"
     assert trap in TRAIN_SCRIPT
     script = TRAIN_SCRIPT if traps_sigterm else TRAIN_SCRIPT.replace(trap, "pass")
-    code, stopped, resumed, folder = run_stopped_by_sigterm(script=script)
-    shutil.rmtree(folder)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the demonstration's folders go
+    code, stopped, resumed, _ = run_stopped_by_sigterm(script=script)
+    assert not list(tmp_path.iterdir()), "the demonstration left its folders behind"
     saved_at = {int(step) for step in re.findall(r"stopped by SIGTERM, saved after step (\d+)", stopped)}
     resumed_at = {int(step) for step in re.findall(r"resuming at step (\d+)", resumed)}
     assert code != 0, stopped  # the agent ends the job it was told to stop

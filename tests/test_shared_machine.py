@@ -367,6 +367,7 @@ print("in the group", flush=True)
 deadline = time.monotonic() + 90
 while not os.path.exists(os.environ["RELEASE"]) and time.monotonic() < deadline:  # the attack is over
     time.sleep(0.1)
+dist.destroy_process_group()
 """
 
 
@@ -460,3 +461,46 @@ ATTACK_PORTS = textwrap.dedent(
                 sys.exit(0)
     '''
 )
+
+
+@needs_root
+def test_another_users_process_named_as_the_runs_does_not_stop_its_end(other_user, write_script, tmp_path):
+    """A warm rank is found at the run's end by its process name, which every user can read in /proc and
+    anyone can give their own process: a stranger's namesake is neither swept (it is not ours to kill) nor
+    allowed to cut the sweep short; the run ends as it would alone."""
+    import threading
+    import time
+
+    from ddp_helpers.processes import process_name_for
+    from ddp_helpers.run_folder import MARKER_NAME, read_json
+    from support import failure_report, run_on_cpu
+
+    run_dir, release, result = tmp_path / "run", tmp_path / "release", {}
+    launch = threading.Thread(target=lambda: result.update(run=run_on_cpu(
+        write_script("waits", WAITS_IN_A_GROUP), run_dir=run_dir, timeout_s=120, extra_env={"RELEASE": str(release)})))
+    launch.start()
+    namesake = None
+    try:
+        deadline, run_id = time.monotonic() + 60, None
+        while not run_id and time.monotonic() < deadline and launch.is_alive():
+            output = run_dir / "rank0.stdout"
+            if output.exists() and "in the group" in output.read_text():
+                run_id = (read_json(run_dir / MARKER_NAME) or {}).get("run_id")
+            time.sleep(0.1)
+        assert run_id, "the run never started"
+        namesake = as_user(other_user, [sys.executable, "-c",
+                                        "import ctypes, sys, time; ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0); "
+                                        "print('named', flush=True); time.sleep(120)", process_name_for(run_id)])
+        assert namesake.stdout.readline().strip() == "named"
+    finally:
+        release.touch()
+        launch.join(120)
+        try:
+            alive_after_the_run = namesake is not None and namesake.poll() is None
+        finally:
+            if namesake is not None:
+                namesake.kill()
+                namesake.wait()
+    run = result.get("run")
+    assert run is not None and run.ok, failure_report(run) if run else "the launch raised"
+    assert alive_after_the_run, "the other user's process was killed"

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..exercises import ExerciseReport, rank_secrets
+from ..exercises import ExerciseReport, rank_secrets, side_channels
 from ..flight_recorder import ALL_REDUCE_OPS
 from ..result import RunResult
 
@@ -51,6 +51,10 @@ def check_resume_exercise(run: RunResult) -> ExerciseReport:
     mine = _final_snapshot(run)  # read before anything else runs
     secrets = rank_secrets(run, report)
     if secrets is None:
+        return report
+    around = side_channels(run, files=False)  # the snapshot's files are the exercise's
+    if around:
+        report.mistakes.append(around)
         return report
     expected, theirs, shapes, all_reduces = _reference(run, secrets)
     _judge_steps(run, expected, report, shapes, all_reduces / max(len(expected), 1))

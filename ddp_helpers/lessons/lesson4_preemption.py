@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .slurm_jobs import has_ended, job_field, slurm, submit, wait_until
+from .slurm_jobs import has_ended, job_field, job_folder, slurm, submit, wait_until
 
 STEPS = 30
 
@@ -108,48 +108,62 @@ def job_script(train_script: Path, folder: Path, warning_s: int = 60) -> str:
     ])
 
 
-def run_preempted(after_line: str = "step 5 done", timeout_s: float = 300) -> tuple[str, Path]:
+def run_preempted(after_line: str = "step 5 done", timeout_s: float = 300) -> tuple[str, dict]:
     """Submit TRAIN_SCRIPT's job, send its warning (`scancel --signal=USR1 --batch`) once the log shows
     `after_line`, and wait until the requeued job completes (Slurm holds a requeued job for its
-    `AuthInfo=cred_expire` + 1 s before it may start again: 121 s by default, slurm.conf(5)). Returns (the job's log, the
-    folder holding its final snapshot). The job is cancelled if anything goes wrong on the way."""
-    folder = Path(tempfile.mkdtemp(prefix="preemption-"))  # must be on a file system every node sees
-    (folder / "train.py").write_text(TRAIN_SCRIPT)
-    (folder / "job.sbatch").write_text(job_script(folder / "train.py", folder))
-    job_id = submit(folder / "job.sbatch")
-    log = folder / "job.out"
-    finished = False
-    try:
-        deadline = time.monotonic() + timeout_s
-        wait_until(lambda: log.exists() and after_line in log.read_text(), deadline, f"the job to print {after_line!r}")
-        slurm(["scancel", "--signal=USR1", "--batch", job_id])
-        wait_until(lambda: job_field(job_id, "Restarts") == "1", deadline, "the job to be requeued")
-        wait_until(lambda: has_ended(job_id), deadline, "the requeued job to end")
-        state = job_field(job_id, "JobState")
-        if state != "COMPLETED":
-            shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True).stdout
-            raise RuntimeError(f"Slurm job {job_id} ended {state} ({shown.strip()}): {log.read_text()[-1500:]}")
-        finished = True
-        return log.read_text(), folder
-    finally:
-        if not finished:
-            with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
-                slurm(["scancel", job_id])
+    `AuthInfo=cred_expire` + 1 s before it may start again: 121 s by default, slurm.conf(5)). Returns (the job's log, its
+    final snapshot). The job is cancelled if anything goes wrong on the way; its folder is removed."""
+    with job_folder("preemption-") as folder:
+        (folder / "train.py").write_text(TRAIN_SCRIPT)
+        (folder / "job.sbatch").write_text(job_script(folder / "train.py", folder))
+        job_id = submit(folder / "job.sbatch")
+        log = folder / "job.out"
+        finished = False
+        try:
+            deadline = time.monotonic() + timeout_s
+            wait_until(lambda: log.exists() and after_line in log.read_text(), deadline,
+                       f"the job to print {after_line!r}")
+            slurm(["scancel", "--signal=USR1", "--batch", job_id])
+            wait_until(lambda: job_field(job_id, "Restarts") == "1", deadline, "the job to be requeued")
+            wait_until(lambda: has_ended(job_id), deadline, "the requeued job to end")
+            state = job_field(job_id, "JobState")
+            if state != "COMPLETED":
+                shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True).stdout
+                raise RuntimeError(f"Slurm job {job_id} ended {state} ({shown.strip()}): {log.read_text()[-1500:]}")
+            finished = True
+            return log.read_text(), final_snapshot(folder)
+        finally:
+            if not finished:
+                with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
+                    slurm(["scancel", job_id])
+
+
+def final_snapshot(folder: Path) -> dict | None:
+    """The snapshot TRAIN_SCRIPT last saved in `folder` (None: it saved none)."""
+    import torch
+
+    path = folder / "snapshot.pt"
+    return torch.load(path, weights_only=True) if path.exists() else None
 
 
 def run_stopped_by_sigterm(after_line: str = "step 5 done", timeout_s: float = 120,
-                           script: str = TRAIN_SCRIPT) -> tuple[int | None, str, str, Path]:
+                           script: str = TRAIN_SCRIPT) -> tuple[int | None, str, str, dict | None]:
     """`script` (TRAIN_SCRIPT) under the real torchrun on this machine, its agent sent SIGTERM once the output shows
     `after_line`, as Slurm signals a job it preempts (torchrun passes the signal on to its workers, and
     kills them 30 s later); then the same command again, which resumes. Returns (the first run's exit
-    code, its output, the second run's output, the folder of the final snapshot)."""
+    code, its output, the second run's output, the final snapshot); the folder they ran in is removed."""
+    with tempfile.TemporaryDirectory(prefix="sigterm-") as name:
+        folder = Path(name)
+        (folder / "train.py").write_text(script)
+        return _stop_and_resume(folder, after_line, timeout_s)
+
+
+def _stop_and_resume(folder: Path, after_line: str, timeout_s: float) -> tuple[int | None, str, str, dict | None]:
     import signal
     import threading
 
     from .plain_torchrun import run_torchrun_command, torchrun_in_background
 
-    folder = Path(tempfile.mkdtemp(prefix="sigterm-"))
-    (folder / "train.py").write_text(script)
     command = ["--standalone", "--nproc-per-node", "2", str(folder / "train.py"), str(folder)]
     deadline = time.monotonic() + timeout_s
     lines: list[str] = []
@@ -165,11 +179,11 @@ def run_stopped_by_sigterm(after_line: str = "step 5 done", timeout_s: float = 1
     code, resumed = run_torchrun_command(command, timeout_s=max(10.0, deadline - time.monotonic()))
     if code != 0:
         raise RuntimeError(f"the resumed training failed (exit code {code}): {resumed[-1500:]}")
-    return stopped, "".join(lines), resumed, folder
+    return stopped, "".join(lines), resumed, final_snapshot(folder)
 
 
 def run_uninterrupted_in_background(timeout_s: float = 120) -> concurrent.futures.Future:
-    """`run_uninterrupted` in a thread, started now: its `.result()` is the folder. The training mostly sleeps
+    """`run_uninterrupted` in a thread, started now: its `.result()` is the final snapshot. The training mostly sleeps
     between steps, so it runs beside another demo at little cost."""
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="uninterrupted")
     future = pool.submit(run_uninterrupted, timeout_s)
@@ -177,14 +191,15 @@ def run_uninterrupted_in_background(timeout_s: float = 120) -> concurrent.future
     return future
 
 
-def run_uninterrupted(timeout_s: float = 120) -> Path:
-    """The same training run through, on this machine with plain torchrun: the folder of its final snapshot."""
+def run_uninterrupted(timeout_s: float = 120) -> dict:
+    """The same training run through, on this machine with plain torchrun: its final snapshot."""
     from .plain_torchrun import run_torchrun_command
 
-    folder = Path(tempfile.mkdtemp(prefix="uninterrupted-"))
-    (folder / "train.py").write_text(TRAIN_SCRIPT)
-    code, output = run_torchrun_command(["--standalone", "--nproc-per-node", "2", str(folder / "train.py"), str(folder)],
-                                        timeout_s=timeout_s)
-    if code != 0:
-        raise RuntimeError(f"the uninterrupted training failed (exit code {code}): {output[-1500:]}")
-    return folder
+    with tempfile.TemporaryDirectory(prefix="uninterrupted-") as name:
+        folder = Path(name)
+        (folder / "train.py").write_text(TRAIN_SCRIPT)
+        code, output = run_torchrun_command(["--standalone", "--nproc-per-node", "2", str(folder / "train.py"),
+                                             str(folder)], timeout_s=timeout_s)
+        if code != 0:
+            raise RuntimeError(f"the uninterrupted training failed (exit code {code}): {output[-1500:]}")
+        return final_snapshot(folder)

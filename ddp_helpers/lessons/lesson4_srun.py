@@ -11,11 +11,10 @@ import contextlib
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from .slurm_jobs import has_ended, job_field, slurm, submit, wait_until
+from .slurm_jobs import has_ended, job_field, job_folder, slurm, submit, wait_until
 
 TASK_SCRIPT = '''\
 import os
@@ -60,22 +59,22 @@ def run_as_srun_tasks(nodes: int = 2, tasks_per_node: int = 2, timeout_s: float 
     """Submit TASK_SCRIPT as a job of `nodes` × `tasks_per_node` srun tasks, wait for it to end, and return
     each task's output by its task number. Raises RuntimeError with Slurm's words if it does not complete;
     the job is cancelled if the wait ends any other way (a timeout, the stop button)."""
-    folder = Path(tempfile.mkdtemp(prefix="srun-tasks-"))  # must be on a file system every node sees
-    task_script = folder / "train.py"
-    task_script.write_text(TASK_SCRIPT)
-    (folder / "job.sbatch").write_text(job_script(task_script, folder, nodes, tasks_per_node))
-    job_id = submit(folder / "job.sbatch")
-    ended = False
-    try:
-        wait_until(lambda: has_ended(job_id), time.monotonic() + timeout_s, f"Slurm job {job_id} to end (cancelled)")
-        state = job_field(job_id, "JobState")
-        ended = True
-    finally:
-        if not ended:
-            with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
-                slurm(["scancel", job_id])
-    outputs = {int(path.stem.removeprefix("task")): path.read_text() for path in folder.glob("task*.out")}
-    if state != "COMPLETED":
+    with job_folder("srun-tasks-") as folder:
+        task_script = folder / "train.py"
+        task_script.write_text(TASK_SCRIPT)
+        (folder / "job.sbatch").write_text(job_script(task_script, folder, nodes, tasks_per_node))
+        job_id = submit(folder / "job.sbatch")
+        ended = False
+        try:
+            wait_until(lambda: has_ended(job_id), time.monotonic() + timeout_s, f"Slurm job {job_id} to end (cancelled)")
+            state = job_field(job_id, "JobState")
+            ended = True
+        finally:
+            if not ended:
+                with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
+                    slurm(["scancel", job_id])
+        outputs = {int(path.stem.removeprefix("task")): path.read_text() for path in folder.glob("task*.out")}
         job_log = (folder / "job.out").read_text() if (folder / "job.out").exists() else ""
+    if state != "COMPLETED":
         raise RuntimeError(f"Slurm job {job_id} ended {state}: {job_log[-1000:]} {outputs}")
     return dict(sorted(outputs.items()))

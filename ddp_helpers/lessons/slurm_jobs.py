@@ -1,14 +1,32 @@
-"""Plain Slurm jobs for lesson 4's demonstrations (srun tasks, preemption): submitting one, running a
-Slurm command, a field of `scontrol show job`, and waiting for a condition with a deadline."""
+"""Plain Slurm jobs for lesson 4's demonstrations (srun tasks, preemption): the folder a job works in,
+submitting one, running a Slurm command, a field of `scontrol show job`, and waiting for a condition with a
+deadline."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import subprocess
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 STILL_GOING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
+
+
+@contextlib.contextmanager
+def job_folder(prefix: str) -> Iterator[Path]:
+    """A new folder of the learner's alone for one job's files, under the runs root: the folder that must be on
+    a file system every node sees, as for the %%torchrun cells' Slurm jobs. Removed when the block ends."""
+    from ..private_folders import private_folder
+    from ..run_folder import runs_root
+
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=private_folder(runs_root() / "slurm-demos")))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def slurm(command: list[str]) -> subprocess.CompletedProcess:

@@ -39,7 +39,7 @@ import weakref
 from . import _all_reduce_log, _channel_bytes, _hang_probe, _point_to_point
 from .processes import die_with_parent, start_time
 from .run_folder import (AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, IMPORT_DIR_ENV, LOOPBACK_ENV, NODE_ENV, SECRET_ENV,
-                         RankErrorRecord, RankIdentity, RunFolder)
+                         RankErrorRecord, RankIdentity, RunFolder, open_private)
 
 _BUFFERED_FILE_TYPES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 _open_stack_file = None  # kept alive: faulthandler writes into it from its signal handler
@@ -51,7 +51,7 @@ def _redirect_output(folder: RunFolder, rank: int) -> None:
         if pipe.exists():
             target = os.open(pipe, os.O_WRONLY)
         else:  # launched without the supervisor's pipes: plain files
-            target = os.open(folder.output(rank, kind), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            target = os.open(folder.output(rank, kind), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(target, fd)
         os.close(target)
     sys.stdout.reconfigure(line_buffering=True)
@@ -440,7 +440,7 @@ def _join_run_folder(folder: RunFolder, rank: int):
         # launcher sees in the output files a moment later (engines.local.engine.RankKiller).
         sys.stdout = _KilledAfterPrinting(sys.stdout, request.text)
         sys.stderr = _KilledAfterPrinting(sys.stderr, request.text)
-    stack_file = open(folder.stack_file(rank), "w")
+    stack_file = open_private(folder.stack_file(rank), "w")
     if os.environ.get(_hang_probe.OFF_ENV) != "1":
         _hang_probe.serve(folder, rank, stack_file)
     return stack_file

@@ -6,6 +6,10 @@ it is removed from the environment before any worker starts). Without `--local-a
 
 Lessons 4 and 5 run torchrun's own behaviour through it (`lessons/plain_torchrun.py`): on a shared machine, a
 demo must not open a door that another user could walk through.
+
+`python -m ddp_helpers.guarded_torchrun --signed-only ARGUMENTS` keeps the signature and drops the loopback
+guard: a job across nodes (the Slurm engine's) needs its stores on the nodes' network, where every user of the
+cluster can reach them, and whoever writes the rendezvous state would otherwise run code as the learner.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import sys
 
 KEY_ENV = "DDP_LESSONS_RENDEZVOUS_KEY"
+SIGNED_ONLY = "--signed-only"
 
 
 def main(arguments: list[str]) -> None:
@@ -22,10 +27,14 @@ def main(arguments: list[str]) -> None:
         sys.exit(f"{KEY_ENV} is not set: it holds the key (hex) that signs this job's rendezvous state.")
     from .store_guard import keep_stores_on_loopback, sign_rendezvous_state
 
-    keep_stores_on_loopback()
+    signed_only = arguments[:1] == [SIGNED_ONLY]
+    if signed_only:
+        arguments = arguments[1:]
+    else:
+        keep_stores_on_loopback()
+        if not any(argument == "--local-addr" or argument.startswith("--local-addr=") for argument in arguments):
+            arguments = ["--local-addr", "127.0.0.1", *arguments]
     sign_rendezvous_state(bytes.fromhex(key))
-    if not any(argument == "--local-addr" or argument.startswith("--local-addr=") for argument in arguments):
-        arguments = ["--local-addr", "127.0.0.1", *arguments]
     from torch.distributed.run import main as torchrun
 
     sys.argv = ["torchrun", *arguments]

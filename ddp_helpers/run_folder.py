@@ -113,6 +113,11 @@ def runs_root() -> Path:
     return Path.cwd() / "runs"
 
 
+def demo_jobs_root() -> Path:
+    """Where lesson 4's own cluster jobs (not a cell's) keep their files: under the runs root, which every node sees."""
+    return runs_root() / "cluster-demos"
+
+
 def default_run_dir(script: Path) -> Path:
     """A run folder of its own for each script path: two scripts with one name never share one."""
     digest = hashlib.sha1(str(script).encode()).hexdigest()[:8]
@@ -234,6 +239,15 @@ def make_private_dirs(folder: Path) -> None:
         except FileExistsError:
             continue  # made meanwhile (another launch): the caller's checks judge it
         part.chmod(0o700)  # mkdir's mode is masked by the umask (0o777 would leave 0o000): set it exactly
+
+
+_OPEN_FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND}
+
+
+def open_private(path: str | os.PathLike, mode: str = "w"):
+    """`open(path, mode)` ("w", "a", "wb", "ab") for a file created readable and writable by its owner only,
+    whatever the umask (a file that exists keeps its mode)."""
+    return open(os.open(path, _OPEN_FLAGS[mode[0]] | os.O_CLOEXEC, 0o600), mode)
 
 
 def write_atomically(path: Path, data: bytes) -> None:

@@ -9,4 +9,7 @@ if [ $# -ne 1 ]; then
     exit 2
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/ensure_env.sh"
+# From the project's root: `python -m` imports from the current folder first, and the one this was started
+# in may be writable by others (a shared project folder). The runner works in the notebooks' folder anyway.
+cd "$project_root"
 exec python -m ddp_helpers.lesson_runner "$1"

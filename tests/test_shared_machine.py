@@ -225,11 +225,13 @@ def test_a_folder_above_the_runs_root_others_can_write_without_the_sticky_bit_is
     assert not (above / "runs").exists()
 
 
-def test_every_folder_a_launch_makes_is_private_whatever_the_umask(ipython, tmp_path, monkeypatch):
-    """Under umask 002 (a shared group), a group member could replace a cell's script in a folder of mode 775."""
+@pytest.mark.parametrize("umask", [0o002, 0o000])
+def test_every_folder_and_file_a_launch_makes_is_private_whatever_the_umask(ipython, tmp_path, monkeypatch, umask):
+    """Under umask 002 (a shared group), a group member could replace a cell's script in a folder of mode 775;
+    under 000 anyone could read a rank's output, or write into the files the launcher reads back."""
     root = tmp_path / "runs"
     monkeypatch.setenv("DDP_HELPERS_RUNS", str(root))
-    old = os.umask(0o002)
+    old = os.umask(umask)
     try:
         result = run_cell(ipython)
     finally:
@@ -238,6 +240,10 @@ def test_every_folder_a_launch_makes_is_private_whatever_the_umask(ipython, tmp_
     folders = [root, *(path for path in root.rglob("*") if path.is_dir())]
     assert len(folders) >= 4  # the root, the notebook's, its scripts/ and the cell's script folder, its run folder
     loose = {str(path): oct(path.stat().st_mode & 0o777) for path in folders if path.stat().st_mode & 0o077}
+    assert loose == {}
+    files = [path for path in root.rglob("*") if not path.is_dir() and not path.is_symlink()]
+    assert len(files) >= 5  # the script, the marker, each rank's output and record
+    loose = {str(path.relative_to(root)): oct(path.stat().st_mode & 0o777) for path in files if path.stat().st_mode & 0o077}
     assert loose == {}
 
 

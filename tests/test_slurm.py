@@ -19,7 +19,7 @@ import pytest
 from ddp_helpers import LaunchError, launch, make_launch_config
 from ddp_helpers.lessons import slurm_jobs
 from ddp_helpers.engines.slurm import SlurmJob
-from ddp_helpers.run_folder import RUN_ID_ENV
+from ddp_helpers.run_folder import RUN_ID_ENV, RunFolder
 from slurm_cluster import LocalSlurmCluster, slurm_installed
 from support import failure_report, processes_left
 
@@ -256,3 +256,41 @@ def test_a_hang_on_slurm_is_reported_with_its_cause_and_stacks(cluster, write_sc
     assert cause in run.hang.cause, f"{run.hang.text()}\n{failure_report(run)}"
     assert all("where rank" in rank.stderr for rank in run.ranks), failure_report(run)
     assert not cluster.jobs(), "the job must be cancelled"
+
+
+def test_a_pickle_written_into_a_jobs_rendezvous_store_is_refused_unread(cluster, write_script, tmp_path):
+    """A job's rendezvous store listens on the nodes' network, where every user of the cluster reaches it; the
+    state torchrun's agents unpickle there is signed with a key the job script draws, so a pickle written by
+    anyone else (here the attacker of tests/test_shared_machine.py) is refused before it is unpickled."""
+    import threading
+
+    from test_shared_machine import ATTACKER
+
+    script = write_script("waits_for_the_attack", SLEEPER)
+    config = make_launch_config(script, job=SlurmJob(nodes=2), nproc=1, timeout_s=120, stream=False)
+    result = {}
+    launch_thread = threading.Thread(target=lambda: result.update(run=launch(config)))
+    launch_thread.start()
+    attacker, proof = tmp_path / "attacker.py", tmp_path / "proof"
+    attacker.write_text(ATTACKER)
+    try:
+        deadline, port = time.monotonic() + 90, None
+        while port is None and time.monotonic() < deadline and launch_thread.is_alive():
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+                except OSError:
+                    continue
+                if "--rdzv-endpoint" in argv and str(script) in argv:  # this job's agent
+                    port = argv[argv.index("--rdzv-endpoint") + 1].rsplit(":", 1)[1]
+            time.sleep(0.2)
+        assert port, "the job's agent was not found"
+        attack = subprocess.run([sys.executable, str(attacker), str(proof), port], capture_output=True, text=True,
+                                timeout=90)
+        assert "wrote torch.rendezvous." in attack.stdout, f"the attack never reached the store: {attack.stdout}"
+    finally:
+        launch_thread.join(180)  # the refused state fails the job, or the timeout ends it
+    run = result["run"]
+    job_log = RunFolder(run.run_dir).job_log(run.job_id).read_text(errors="replace")
+    assert not proof.exists(), f"the pickle ran as the learner: {proof.read_text()}"
+    assert "does not carry this job's signature" in job_log, job_log[-3000:] + failure_report(run)

@@ -6,8 +6,10 @@ Slurm is in this module.
 What happens:
 - a plain sbatch script is written next to the cell's script (`<name>.sbatch`): one torchrun agent per
   node (`srun torchrun --nnodes $SLURM_NNODES ... --rdzv-backend c10d --rdzv-endpoint <head node's
-  address>:<a free port there> --rdzv-id $SLURM_JOB_ID`), every rank through `ddp_helpers._bootstrap`,
-  writing its output, exit code and recorded facts into the run folder. The run folder must be on a file
+  address>:<a free port there> --rdzv-id $SLURM_JOB_ID`, run as `guarded_torchrun --signed-only`: the
+  rendezvous state, which any user of the cluster could write, is signed with a key the job script draws),
+  every rank through `ddp_helpers._bootstrap`, writing its output, exit code and recorded facts into the run
+  folder. The run folder must be on a file
   system every node sees (a cluster's home or project folder is); `sbatch <name>.sbatch` by hand runs the
   same job;
 - `sbatch --parsable` submits it. A refusal (no Slurm, a bad partition, over a limit) is one LaunchError
@@ -39,7 +41,8 @@ from pathlib import Path
 
 from .. import _hang_probe, hang
 from ..errors import LaunchError
-from ..run_folder import AGENT_ENV, NODE_ENV, RunFolder
+from ..guarded_torchrun import KEY_ENV, SIGNED_ONLY
+from ..run_folder import AGENT_ENV, NODE_ENV, RunFolder, open_private
 from . import (DEFAULT_CPU_NPROC, RESERVED_ENV, Ending, Engine, Job, LaunchConfig, LaunchRequest, OutputPump, RankEnding,
                option_text, parse_nproc, rank_command, register_job)
 
@@ -174,10 +177,13 @@ def job_script(config: LaunchConfig, run_id: str) -> str:
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         'head_address=$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | cut -d " " -f 1)',
         f"port=$({python} -m ddp_helpers.rendezvous_port)",
+        "# Every user of the cluster can reach that port, and torchrun's agents unpickle the rendezvous state kept",
+        "# there: ddp_helpers.guarded_torchrun is torchrun with that state signed by a key only this job holds.",
+        f"export {KEY_ENV}=$({python} -c 'import secrets; print(secrets.token_hex(32))')",
         f"cd {shlex.quote(str(config.working_dir))}",
         "",
         f"srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(per_node)} node \\",
-        f"    {python} -m torch.distributed.run \\",
+        f"    {python} -m ddp_helpers.guarded_torchrun {SIGNED_ONLY} \\",
         f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {config.ranks_per_agent} \\",
         '    --rdzv-backend c10d --rdzv-endpoint "$head_address:$port" --rdzv-id "$SLURM_JOB_ID" \\',
         f"    --max-restarts {config.max_restarts} \\",
@@ -261,7 +267,8 @@ class SlurmEngine(Engine):
 
     def start(self, run_id: str) -> None:
         path = job_script_path(self.config)
-        path.write_text(job_script(self.config, run_id))
+        with open_private(path, "w") as script:
+            script.write(job_script(self.config, run_id))
         self.job_id = submit(path)
         self._guard = subprocess.Popen([sys.executable, "-m", __name__, "GUARD", str(os.getpid()),
                                         self.job_id], stdin=subprocess.DEVNULL, start_new_session=True)

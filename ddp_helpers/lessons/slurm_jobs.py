@@ -20,9 +20,9 @@ def job_folder(prefix: str) -> Iterator[Path]:
     """A new folder of the learner's alone for one job's files, under the runs root: the folder that must be on
     a file system every node sees, as for the %%torchrun cells' Slurm jobs. Removed when the block ends."""
     from ..private_folders import private_folder
-    from ..run_folder import runs_root
+    from ..run_folder import demo_jobs_root
 
-    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=private_folder(runs_root() / "slurm-demos")))
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=private_folder(demo_jobs_root())))
     try:
         yield folder
     finally:

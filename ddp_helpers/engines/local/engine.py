@@ -34,7 +34,8 @@ from pathlib import Path
 
 from ... import hang
 from ...processes import kill_marked, kill_process_groups, process_is_dead, run_despite_interrupts, stop_process_group
-from ...run_folder import LOOPBACK_ENV, RUN_DIR_ENV, RUN_ID_ENV, AgentOutcome, KillRequest, RankIdentity, RunFolder
+from ...run_folder import (LOOPBACK_ENV, RUN_DIR_ENV, RUN_ID_ENV, AgentOutcome, KillRequest, RankIdentity, RunFolder,
+                           open_private)
 from ...text_in_file import TextInFile
 from .. import Ending, Engine, LaunchConfig, OutputPump, RankEnding, rank_command
 from . import warm
@@ -102,7 +103,7 @@ class LocalEngine(Engine):
 
     def start(self, run_id: str) -> None:
         self.run_id = run_id
-        self._log = open(self.folder.torchrun_log, "wb")
+        self._log = open_private(self.folder.torchrun_log, "wb")
         job = self.config.job
         if job.kill_rank is not None:  # read by the rank itself (_bootstrap): see RankKiller
             self.folder.write_kill_request(KillRequest(rank=job.kill_rank, text=job.kill_after))

@@ -47,7 +47,7 @@ from .agents import STOP_SIGNALS, JoinWhenSeen, OtherAgents, Stopped, merge_outc
 from ...processes import (
     ARM_PARENT_DEATH_FAILED, arm_parent_death_signal, kill_marked, kill_process_groups, process_is_dead,
 )
-from ...run_folder import OUTPUT_KEEP_BYTES, RUN_ID_ENV, AgentOutcome, RunFolder
+from ...run_folder import OUTPUT_KEEP_BYTES, RUN_ID_ENV, AgentOutcome, RunFolder, open_private
 from ...store_guard import keep_stores_on_loopback, loopback_store, sign_rendezvous_state
 from .supervisor_spec import SupervisorSpec
 
@@ -56,7 +56,7 @@ class CappedOutput:
     """One rank's stream in a file: the first `keep` bytes as they come, the last `keep` at the end."""
 
     def __init__(self, path, keep: int = OUTPUT_KEEP_BYTES):
-        self.file = open(path, "ab")
+        self.file = open_private(path, "ab")
         self.keep = keep
         self.head_left = keep
         self.tail = bytearray()

@@ -10,6 +10,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ...run_folder import open_private
+
 
 @dataclass(frozen=True)
 class SupervisorSpec:
@@ -60,7 +62,8 @@ class SupervisorSpec:
         ]
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self)))
+        with open_private(path, "w") as spec:
+            spec.write(json.dumps(asdict(self)))
 
     @classmethod
     def read(cls, path: str | Path) -> "SupervisorSpec":

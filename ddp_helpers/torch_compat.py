@@ -36,10 +36,11 @@ from importlib import metadata
 
 # pyproject.toml asks for torch>=LOWEST,<(the minor after NEWEST_CHECKED).
 LOWEST = (2, 10)
-NEWEST_CHECKED = (2, 13)
+NEWEST_CHECKED = (2, 14)
 # The versions the whole course was run on, and how (README, "Which torch").
 CHECKED = {
-    "2.13.0": "2026-12-02: the whole suite, CPU build (the tested pin)",
+    "2.14.1": "2026-12-03: every notebook (nbmake) and the quick suite, PyPI's CUDA build run on CPU",
+    "2.13.0": "2026-12-03: the whole suite, CPU build (the tested pin)",
     "2.11.0": "2026-12-03: every notebook (nbmake) and the quick suite, PyPI's CUDA build run on CPU",
     "2.10.0": "2026-12-03: every notebook (nbmake) and the quick suite, PyPI's CUDA build run on CPU",
 }

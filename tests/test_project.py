@@ -83,9 +83,9 @@ def test_the_packages_torch_range_is_what_torch_compat_states():
     lowest, newest = torch_compat.LOWEST, torch_compat.NEWEST_CHECKED
     assert {str(s) for s in package_range} == {f">={lowest[0]}.{lowest[1]}", f"<{newest[0]}.{newest[1] + 1}"}
     # pip keeps a learner's torch anywhere in the range, a CUDA build's local label included.
-    for version in ("2.10.0", "2.11.0+cu130", "2.13.0", "2.13.1"):
+    for version in ("2.10.0", "2.11.0+cu130", "2.13.0", "2.14.1+cu130"):
         assert Version(version) in package_range, version
-    for version in ("2.9.1", "2.14.0"):
+    for version in ("2.9.1", "2.15.0"):
         assert Version(version) not in package_range, version
     assert all(Version(v) in package_range for v in torch_compat.CHECKED)
 
@@ -191,8 +191,10 @@ def test_a_torch_index_installs_torch_alone_from_it_then_the_course_from_pypi(tm
     python.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
     python.chmod(0o700)
     index = "https://download.pytorch.org/whl/cpu"
+    # The pin's environment, whichever torch this suite itself runs on (DDP_LESSONS_TORCH).
+    env = {**{k: v for k, v in os.environ.items() if k != "DDP_LESSONS_TORCH"}, "DDP_LESSONS_TORCH_INDEX": index}
     done = subprocess.run(["bash", "-c", f"source {project}/scripts/ensure_env.sh"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "DDP_LESSONS_TORCH_INDEX": index})
+                          timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     torch = f"torch=={_tested_torch()}"
     assert calls.read_text().splitlines() == [
@@ -200,8 +202,8 @@ def test_a_torch_index_installs_torch_alone_from_it_then_the_course_from_pypi(tm
         f"-m pip install --quiet {torch} -e {project}[test]",
     ]
     # Asked again, nothing is installed: the stamp names the index too.
-    subprocess.run(["bash", "-c", f"source {project}/scripts/ensure_env.sh"], check=True, timeout=60,
-                   env={**os.environ, "DDP_LESSONS_TORCH_INDEX": index}, capture_output=True)
+    subprocess.run(["bash", "-c", f"source {project}/scripts/ensure_env.sh"], check=True, timeout=60, env=env,
+                   capture_output=True)
     assert len(calls.read_text().splitlines()) == 2
 
 

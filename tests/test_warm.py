@@ -157,7 +157,7 @@ def test_an_environment_read_at_import_launches_cold_with_a_note(probe, zygote_p
     run = run_on_cpu(probe, extra_env={"OMP_NUM_THREADS": "2"})
     assert all(p["parent"] != zygote_pid for p in processes(run))
     assert all(p["torch_threads"] == 2 for p in processes(run))
-    assert "[ddp_helpers] cold launch, in fresh processes: OMP_NUM_THREADS='2' differs" in capsys.readouterr().err
+    assert f"{warm.COLD_NOTE}OMP_NUM_THREADS='2' here, " in capsys.readouterr().err
     assert all(p["parent"] != zygote_pid for p in processes(run_on_cpu(probe, cold=True)))
 
 
@@ -187,7 +187,7 @@ def test_a_dead_warm_process_means_one_cold_launch_then_a_new_one(probe, zygote_
     os.kill(zygote_pid, signal.SIGKILL)
     warm._ZYGOTE.process.wait()
     assert all(p["parent"] != zygote_pid for p in processes(run_on_cpu(probe)))
-    assert "[ddp_helpers] cold launch, in fresh processes: the warm process died" in capsys.readouterr().err
+    assert f"{warm.COLD_NOTE}the warm process died" in capsys.readouterr().err
     assert prepare_warm_launches(), "a new warm process should have been started"
     new_pid = warm._ZYGOTE.process.pid
     assert new_pid != zygote_pid and all(p["parent"] == new_pid for p in processes(run_on_cpu(probe)))
@@ -616,4 +616,4 @@ def test_threads_in_the_kernels_environment_keep_launches_warm(write_script, tmp
     assert lines["FIRST"] == lines["SECOND"] == str([(True, fresh, True)] * 2), done.stdout + done.stderr
     assert lines["CHANGED"] == str([(False, 1, True)] * 2) and lines["AFTER"] == str([(True, 1, True)] * 2), \
         done.stdout + done.stderr
-    assert done.stderr.count("cold launch, in fresh processes") == 1, done.stderr
+    assert done.stderr.count(warm.COLD_NOTE) == 1, done.stderr

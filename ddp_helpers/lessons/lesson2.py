@@ -171,7 +171,7 @@ def _check_checkpoint_writers(run: RunResult, report: ExerciseReport) -> Path | 
     if len(writers) > 1:
         report.mistakes.append(
             f"ranks {writers} each wrote {CHECKPOINT_NAME}: several processes writing one file race each other "
-            "(and can leave it torn), for weights that are identical anyway. One rank is enough"
+            "(and can leave it torn), for weights that are identical anyway"
         )
     elif writers != [0]:
         report.mistakes.append(

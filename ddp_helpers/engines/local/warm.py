@@ -30,6 +30,8 @@ from pathlib import Path
 from . import _framing
 from .warm_environment import environment_mismatch, packages_fingerprint, torch_fingerprint
 
+COLD_NOTE = "[ddp_helpers] this launch starts its ranks as new Python processes (a few seconds slower): "
+
 COLD_ENV = "DDP_HELPERS_COLD"
 # How long a launch waits for a zygote that is still starting before it runs cold instead (it is ready
 # in a few seconds; much longer means a machine so loaded that the wait would not pay).
@@ -256,8 +258,9 @@ class ZygoteHandle:
 
     def note(self, text: str) -> None:
         """Say, in one line, why this launch runs cold: at every launch it does, not only the first."""
-        # "cold": fresh interpreters that import torch themselves, not forked from the warm process
-        print(f"[ddp_helpers] cold launch, in fresh processes: {text}", file=sys.stderr, flush=True)
+        # A cold launch: fresh interpreters that import torch themselves, not forked from the warm process. Said
+        # without the jargon: a learner meets it mid-lesson (lesson 2's TORCH_DISTRIBUTED_DEBUG).
+        print(f"{COLD_NOTE}{text}", file=sys.stderr, flush=True)
 
     def replace(self) -> None:
         """Stop this warm process and start a new one with the same environment, for the next launches."""

@@ -54,7 +54,8 @@ def environment_mismatch(zygote_env: dict[str, str], launch_env: dict[str, str],
     ours, theirs = _compared(zygote_env, read), _compared(launch_env, read)
     for key in sorted(set(ours) | set(theirs)):
         if ours.get(key) != theirs.get(key):
-            return f"{key}={theirs.get(key)!r} differs from the warm process's {ours.get(key)!r}"
+            return (f"{key}={theirs.get(key)!r} here, {ours.get(key)!r} in the Python the ranks are usually forked "
+                    "from, which read it as it loaded")
     return None
 
 

@@ -122,8 +122,9 @@ class TorchrunMagics(Magics):
             except LaunchError as error:
                 raise UsageError(str(error)) from None
             if args.may_fail:
-                print("[ddp_helpers] this cell may fail on purpose (--may-fail): a failure below is expected, shown, "
-                      "and the notebook goes on.", flush=True)
+                # Said before it runs, whether or not it then fails (an exercise may pass): neutral until it ends.
+                print("[ddp_helpers] --may-fail: this cell may fail (some are meant to); if it does, the failure is "
+                      "shown and the notebook goes on.", flush=True)
             started = time.monotonic()
             try:
                 run = launch(config, folder)

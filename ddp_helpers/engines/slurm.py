@@ -173,7 +173,7 @@ def job_script(config: LaunchConfig, run_id: str) -> str:
         f'export PYTHONPATH={shlex.quote(command.python_path)}"${{PYTHONPATH:+:$PYTHONPATH}}"',
         "",
         "# The first node hosts the rendezvous: its address (node names need not resolve), and a free port there",
-        "# (this script runs on the first node), below the ports the OS hands out, so that nothing takes it first.",
+        "# (this script runs on the first node), below the ports the OS hands out, where no connection takes it.",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         'head_address=$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | cut -d " " -f 1)',
         f"port=$({python} -m ddp_helpers.rendezvous_port)",

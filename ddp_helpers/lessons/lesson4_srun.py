@@ -49,7 +49,7 @@ def job_script(task_script: Path, output_dir: Path, nodes: int, tasks_per_node: 
         "set -euo pipefail",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         'export MASTER_ADDR=$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | cut -d " " -f 1)',
-        f"export MASTER_PORT=$({python} -m ddp_helpers.rendezvous_port)  # free, and nothing takes it first",
+        f"export MASTER_PORT=$({python} -m ddp_helpers.rendezvous_port)  # free now, outside the OS's ephemeral range",
         f"srun --kill-on-bad-exit=1 --output={output_dir}/task%t.out {python} {shlex.quote(str(task_script))}",
         "",
     ])

@@ -148,7 +148,8 @@ class StepBreakdown:
         bounds = f"perfect overlap max(C, A) = {ms(self.overlapped_s)}, none C + A = {ms(self.serial_s)}"
         if self.ddp_s > self.serial_s:
             return (f"{ms(self.ddp_s)}, {ms(self.ddp_s - self.serial_s)} longer than no overlap at all ({bounds}): no "
-                    "measurable overlap; communicating slowed the computation itself")
+                    "measurable overlap; the rest is outside the model (DDP's bucket copies, cores shared with "
+                    "gloo's threads)")
         if self.ddp_s < self.overlapped_s:
             return (f"{ms(self.ddp_s)}, {ms(self.overlapped_s - self.ddp_s)} shorter than perfect overlap allows "
                     f"({bounds}): the run's noise, whose spread here is {self.tolerance:.0%}")

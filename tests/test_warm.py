@@ -617,3 +617,28 @@ def test_threads_in_the_kernels_environment_keep_launches_warm(write_script, tmp
     assert lines["CHANGED"] == str([(False, 1, True)] * 2) and lines["AFTER"] == str([(True, 1, True)] * 2), \
         done.stdout + done.stderr
     assert done.stderr.count(warm.COLD_NOTE) == 1, done.stderr
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_a_module_in_the_working_folder_is_not_importable_as_under_plain_torchrun(write_script, tmp_path, cold):
+    """torchrun starts a worker as `python script.py`: the script's folder comes first on sys.path, and the working
+    folder is not on it. The launcher's ranks start as `python -m ddp_helpers._bootstrap`, which puts the working
+    folder there instead: a module lying in a --cwd (a data folder, a shared project folder) must not shadow what
+    the script imports under plain torchrun."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "shadow_probe.py").write_text("FOUND = True\n")
+    script = write_script("imports", """
+        import os, sys
+        from ddp_helpers import record
+        try:
+            import shadow_probe
+            found = True
+        except ImportError:
+            found = False
+        record("seen", {"found": found, "first": sys.path[0], "script_dir": os.path.dirname(os.path.abspath(__file__))})
+    """)
+    run = run_on_cpu(script, cwd=data, cold=cold)
+    assert run.ok, failure_report(run)
+    for seen in run.facts("seen"):
+        assert seen == {"found": False, "first": seen["script_dir"], "script_dir": seen["script_dir"]}

@@ -41,6 +41,7 @@ NEWEST_CHECKED = (2, 14)
 CHECKED = {
     "2.14.1": "2026-12-03: every notebook (nbmake) and the quick suite, PyPI's CUDA build run on CPU",
     "2.13.0": "2026-12-03: the whole suite, CPU build (the tested pin)",
+    "2.12.1": "2026-12-03: every notebook (nbmake) and the quick suite, PyPI's CUDA build run on CPU",
     "2.11.0": "2026-12-03: every notebook (nbmake) and the quick suite, PyPI's CUDA build run on CPU",
     "2.10.0": "2026-12-03: every notebook (nbmake) and the quick suite, PyPI's CUDA build run on CPU",
 }

@@ -294,3 +294,35 @@ def test_a_pickle_written_into_a_jobs_rendezvous_store_is_refused_unread(cluster
     job_log = RunFolder(run.run_dir).job_log(run.job_id).read_text(errors="replace")
     assert not proof.exists(), f"the pickle ran as the learner: {proof.read_text()}"
     assert "does not carry this job's signature" in job_log, job_log[-3000:] + failure_report(run)
+
+
+
+KERNEL_WAITING_FOR_A_JOB = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from ddp_helpers.lessons.slurm_jobs import cancelled_if_this_process_dies, submit
+    job_id = submit(Path(sys.argv[1]))
+    with cancelled_if_this_process_dies(job_id):  # as lesson 4's preemption and srun demos wait for theirs
+        print(job_id, flush=True)
+        time.sleep(300)
+    """
+)
+
+
+def test_a_kernel_killed_while_lesson_4_waits_for_its_job_cancels_the_job(cluster, tmp_path):
+    """As a %%torchrun --slurm cell's job is (test_stopping_the_cell_or_killing_the_kernel_cancels_the_job): the
+    lesson's own jobs do not run on, requeue and all, after the kernel that waited for them died."""
+    job_script = tmp_path / "sleeps.sbatch"
+    job_script.write_text(f"#!/bin/bash\n#SBATCH --output={tmp_path}/job.out\nsleep 300\n")
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL_WAITING_FOR_A_JOB, str(job_script)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job_id = kernel.stdout.readline().strip()
+    try:
+        assert job_id in cluster.jobs(), job_id + kernel.stdout.read()
+        kernel.kill()
+        assert job_end_state(job_id, timeout_s=30) == "CANCELLED"
+    finally:
+        kernel.kill()
+        kernel.wait()
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=15)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from ..guarded_torchrun import KEY_ENV
-from .slurm_jobs import has_ended, job_field, job_folder, slurm, submit, wait_until
+from .slurm_jobs import cancelled_if_this_process_dies, has_ended, job_field, job_folder, slurm, submit, wait_until
 
 STEPS = 30
 
@@ -116,7 +116,8 @@ def run_preempted(after_line: str = "step 5 done", timeout_s: float = 300) -> tu
     """Submit TRAIN_SCRIPT's job, send its warning (`scancel --signal=USR1 --batch`) once the log shows
     `after_line`, and wait until the requeued job completes (Slurm holds a requeued job for its
     `AuthInfo=cred_expire` + 1 s before it may start again: 121 s by default, slurm.conf(5)). Returns (the job's log, its
-    final snapshot). The job is cancelled if anything goes wrong on the way; its folder is removed."""
+    final snapshot). The job is cancelled if anything goes wrong on the way, the kernel's death included; its
+    folder is removed."""
     with job_folder("preemption-") as folder:
         (folder / "train.py").write_text(TRAIN_SCRIPT)
         (folder / "job.sbatch").write_text(job_script(folder / "train.py", folder))
@@ -124,18 +125,20 @@ def run_preempted(after_line: str = "step 5 done", timeout_s: float = 300) -> tu
         log = folder / "job.out"
         finished = False
         try:
-            deadline = time.monotonic() + timeout_s
-            wait_until(lambda: log.exists() and after_line in log.read_text(), deadline,
-                       f"the job to print {after_line!r}")
-            slurm(["scancel", "--signal=USR1", "--batch", job_id])
-            wait_until(lambda: job_field(job_id, "Restarts") == "1", deadline, "the job to be requeued")
-            wait_until(lambda: has_ended(job_id), deadline, "the requeued job to end")
-            state = job_field(job_id, "JobState")
-            if state != "COMPLETED":
-                shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True).stdout
-                raise RuntimeError(f"Slurm job {job_id} ended {state} ({shown.strip()}): {log.read_text()[-1500:]}")
-            finished = True
-            return log.read_text(), final_snapshot(folder)
+            with cancelled_if_this_process_dies(job_id):
+                deadline = time.monotonic() + timeout_s
+                wait_until(lambda: log.exists() and after_line in log.read_text(), deadline,
+                           f"the job to print {after_line!r}")
+                slurm(["scancel", "--signal=USR1", "--batch", job_id])
+                wait_until(lambda: job_field(job_id, "Restarts") == "1", deadline, "the job to be requeued")
+                wait_until(lambda: has_ended(job_id), deadline, "the requeued job to end")
+                state = job_field(job_id, "JobState")
+                if state != "COMPLETED":
+                    shown = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True,
+                                           text=True).stdout
+                    raise RuntimeError(f"Slurm job {job_id} ended {state} ({shown.strip()}): {log.read_text()[-1500:]}")
+                finished = True
+                return log.read_text(), final_snapshot(folder)
         finally:
             if not finished:
                 with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from .slurm_jobs import has_ended, job_field, job_folder, slurm, submit, wait_until
+from .slurm_jobs import cancelled_if_this_process_dies, has_ended, job_field, job_folder, slurm, submit, wait_until
 
 TASK_SCRIPT = '''\
 import os
@@ -58,7 +58,7 @@ def job_script(task_script: Path, output_dir: Path, nodes: int, tasks_per_node: 
 def run_as_srun_tasks(nodes: int = 2, tasks_per_node: int = 2, timeout_s: float = 120) -> dict[int, str]:
     """Submit TASK_SCRIPT as a job of `nodes` × `tasks_per_node` srun tasks, wait for it to end, and return
     each task's output by its task number. Raises RuntimeError with Slurm's words if it does not complete;
-    the job is cancelled if the wait ends any other way (a timeout, the stop button)."""
+    the job is cancelled if the wait ends any other way (a timeout, the stop button, the kernel's death)."""
     with job_folder("srun-tasks-") as folder:
         task_script = folder / "train.py"
         task_script.write_text(TASK_SCRIPT)
@@ -66,9 +66,11 @@ def run_as_srun_tasks(nodes: int = 2, tasks_per_node: int = 2, timeout_s: float 
         job_id = submit(folder / "job.sbatch")
         ended = False
         try:
-            wait_until(lambda: has_ended(job_id), time.monotonic() + timeout_s, f"Slurm job {job_id} to end (cancelled)")
-            state = job_field(job_id, "JobState")
-            ended = True
+            with cancelled_if_this_process_dies(job_id):
+                wait_until(lambda: has_ended(job_id), time.monotonic() + timeout_s,
+                           f"Slurm job {job_id} to end (cancelled)")
+                state = job_field(job_id, "JobState")
+                ended = True
         finally:
             if not ended:
                 with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):

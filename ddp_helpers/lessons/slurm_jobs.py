@@ -5,8 +5,10 @@ deadline."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +29,19 @@ def job_folder(prefix: str) -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def cancelled_if_this_process_dies(job_id: str) -> Iterator[None]:
+    """While the block runs, a guard process (the %%torchrun Slurm engine's) cancels the job if this process dies
+    first (a killed kernel): the job does not run on without anyone to read it."""
+    guard = subprocess.Popen([sys.executable, "-m", "ddp_helpers.engines.slurm", "GUARD", str(os.getpid()), job_id],
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        yield
+    finally:
+        guard.kill()
+        guard.wait()
 
 
 def slurm(command: list[str]) -> subprocess.CompletedProcess:

@@ -21,6 +21,11 @@ KEY_ENV = "DDP_LESSONS_RENDEZVOUS_KEY"
 SIGNED_ONLY = "--signed-only"
 
 
+def new_key_line(python: str) -> str:
+    """A job script's line that draws a new key for the agents it then starts (`python`: the job's own, quoted)."""
+    return f"export {KEY_ENV}=$({python} -c 'import secrets; print(secrets.token_hex(32))')"
+
+
 def main(arguments: list[str]) -> None:
     key = os.environ.pop(KEY_ENV, "")
     if not key:

@@ -250,6 +250,19 @@ def open_private(path: str | os.PathLike, mode: str = "w"):
     return open(os.open(path, _OPEN_FLAGS[mode[0]] | os.O_CLOEXEC, 0o600), mode)
 
 
+def _append_line(path: Path, line: str) -> None:
+    """Append `line` to a private file in one write (appends from several processes, a rank and its forks, never
+    interleave), at once: a process that then ends with os._exit keeps it. Silent if the file cannot be opened."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """Readers see the old file or the whole new one, never half of it."""
     make_private_dirs(path.parent)
@@ -430,15 +443,7 @@ class RunFolder:
     def note_crossing(self, rank: int, name: str, how: str) -> None:
         """Rank `rank`'s script `how` ("opened", "changed", "linked to"...) the file `name` of this folder:
         one line appended at once (a rank that then ends with os._exit, or a forked child, keeps it)."""
-        line = json.dumps({"run_id": self.run_id, "what": f"{how} {name}"}) + "\n"
-        try:
-            fd = os.open(self._rank_file(rank, "crossings"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError:
-            return
-        try:
-            os.write(fd, line.encode())  # one short write: appends from a rank's forks never interleave
-        finally:
-            os.close(fd)
+        _append_line(self._rank_file(rank, "crossings"), json.dumps({"run_id": self.run_id, "what": f"{how} {name}"}))
 
     def read_crossings(self, rank: int) -> tuple[str, ...]:
         """What `note_crossing` noted for `rank` in this launch, in order, each once."""
@@ -476,14 +481,7 @@ class RunFolder:
     def record_forked_child(self, pid: int, started: int | None) -> None:
         """Called in each child a rank's Python forks, as it starts: the final sweep finds it here whatever it
         then does (a new session, another name; a warm rank's /proc environ carries no marker)."""
-        try:
-            fd = os.open(self.forked_children, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError:
-            return
-        try:
-            os.write(fd, f"{pid} {started}\n".encode())  # one write of a short line: appends never interleave
-        finally:
-            os.close(fd)
+        _append_line(self.forked_children, f"{pid} {started}")
 
     def read_forked_children(self) -> list[tuple[int, int]]:
         pairs = []

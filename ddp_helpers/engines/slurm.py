@@ -41,7 +41,7 @@ from pathlib import Path
 
 from .. import _hang_probe, hang
 from ..errors import LaunchError
-from ..guarded_torchrun import KEY_ENV, SIGNED_ONLY
+from ..guarded_torchrun import SIGNED_ONLY, new_key_line
 from ..run_folder import AGENT_ENV, NODE_ENV, RunFolder, open_private
 from . import (DEFAULT_CPU_NPROC, RESERVED_ENV, Ending, Engine, Job, LaunchConfig, LaunchRequest, OutputPump, RankEnding,
                option_text, parse_nproc, rank_command, register_job)
@@ -179,7 +179,7 @@ def job_script(config: LaunchConfig, run_id: str) -> str:
         f"port=$({python} -m ddp_helpers.rendezvous_port)",
         "# Every user of the cluster can reach that port, and torchrun's agents unpickle the rendezvous state kept",
         "# there: ddp_helpers.guarded_torchrun is torchrun with that state signed by a key only this job holds.",
-        f"export {KEY_ENV}=$({python} -c 'import secrets; print(secrets.token_hex(32))')",
+        new_key_line(python),
         f"cd {shlex.quote(str(config.working_dir))}",
         "",
         f"srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(per_node)} node \\",

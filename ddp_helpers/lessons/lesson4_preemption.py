@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..guarded_torchrun import KEY_ENV
+from ..guarded_torchrun import new_key_line
 from .slurm_jobs import cancelled_if_this_process_dies, has_ended, job_field, job_folder, slurm, submit, wait_until
 
 STEPS = 30
@@ -102,7 +102,7 @@ def job_script(train_script: Path, folder: Path, warning_s: int = 60) -> str:
         "trap 'warned=1; echo \"preemption warning: passing it on to the ranks\"; pkill -USR1 -P \"$agent\"' USR1",
         "# torchrun with the two guards a node shared with other users needs (its stores on loopback only, its",
         "# rendezvous state signed with this key): ddp_helpers/guarded_torchrun.py. On a node of your own: torchrun.",
-        f"export {KEY_ENV}=$({python} -c 'import secrets; print(secrets.token_hex(32))')",
+        new_key_line(python),
         f"{python} -m ddp_helpers.guarded_torchrun --standalone --nproc-per-node 2 {shlex.quote(str(train_script))} "
         f"{shlex.quote(str(folder))} &",
         "agent=$!",

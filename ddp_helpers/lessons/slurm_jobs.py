@@ -34,7 +34,8 @@ def job_folder(prefix: str) -> Iterator[Path]:
 @contextlib.contextmanager
 def cancelled_if_this_process_dies(job_id: str) -> Iterator[None]:
     """While the block runs, a guard process (the %%torchrun Slurm engine's) cancels the job if this process dies
-    first (a killed kernel): the job does not run on without anyone to read it."""
+    first (a killed kernel): the job does not run on without anyone to read it. Started by its command line, not
+    through `engines.slurm`, which no lesson imports (tests/test_structure.py: engines sit behind the seam)."""
     guard = subprocess.Popen([sys.executable, "-m", "ddp_helpers.engines.slurm", "GUARD", str(os.getpid()), job_id],
                              stdin=subprocess.DEVNULL, start_new_session=True)
     try:

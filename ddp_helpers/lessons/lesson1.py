@@ -47,18 +47,15 @@ def micro_batches_in_flight(pieces: list[dict]) -> int:
 
 
 def handoff_cost(timeline: list[dict]) -> float:
-    """The median time a two-stage pipeline spends outside compute between one micro-batch and the next,
+    """The mean time a two-stage pipeline spends outside compute between one micro-batch and the next,
     on the stage that sets the pace: from one forward to the next on rank 0 (making the input, sending
     the activation), from one backward to the next on rank 1 (sending the gradient). 0 with one
-    micro-batch (no next one). The median, not the mean: one gap stretched by a busy moment on the
-    machine would otherwise count as the cost of every hand-off."""
-    import statistics
-
+    micro-batch (no next one)."""
     gaps = []
     for rank, kind in ((0, "forward"), (1, "backward")):
         pieces = sorted((p for p in timeline[rank]["pieces"] if p["kind"] == kind), key=lambda p: p["start"])
         gaps += [after["start"] - before["end"] for before, after in zip(pieces, pieces[1:])]
-    return statistics.median(gaps) if gaps else 0.0
+    return sum(gaps) / len(gaps) if gaps else 0.0
 
 
 def idle_with_handoffs(micro_batches: int, compute: float, handoff: float) -> float:

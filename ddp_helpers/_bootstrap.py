@@ -468,16 +468,14 @@ def main() -> None:
         if os.environ.get(LOOPBACK_ENV) == "1":  # a run on this machine (not a cluster's)
             patches["torch.distributed.rendezvous"] = _keep_rank0_store_on_loopback
         _PatchOnImport.install(patches)
-    # `python -m` put the working folder first on sys.path. A script runs as `python script.py` would, as torchrun
-    # starts a worker: its folder first, and never the working folder (a module in a --cwd of data must not shadow
-    # one the script imports under plain torchrun). A cell keeps it, as its kernel imports from its own ('').
+    # This process started as `python -P -m` (python_command): no working folder on sys.path, so none could shadow
+    # this package. A script runs as `python script.py` would, as torchrun starts a worker: its folder first, and
+    # never the working folder (a module in a --cwd of data must not shadow one the script imports under plain
+    # torchrun). A cell imports from its notebook's folder and its --cwd as its kernel does: whoever can write
+    # those folders decides what its imports find (README, "A shared machine").
     import_dir = os.environ.get(IMPORT_DIR_ENV)
-    if sys.path and sys.path[0] == os.getcwd() and not import_dir:
-        sys.path[0] = os.path.dirname(script)
-    else:
-        sys.path.insert(0, os.path.dirname(script))
-    if import_dir and import_dir not in sys.path:  # a cell's notebook folder: its modules import as in the kernel
-        sys.path.insert(1, import_dir)
+    cell_folders = dict.fromkeys((import_dir, os.getcwd()) if import_dir else ())
+    sys.path[:0] = [os.path.dirname(script), *(folder for folder in cell_folders if folder not in sys.path)]
 
     exit_code = 0
     try:

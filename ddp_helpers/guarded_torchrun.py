@@ -10,6 +10,9 @@ demo must not open a door that another user could walk through.
 `python -m ddp_helpers.guarded_torchrun --signed-only ARGUMENTS` keeps the signature and drops the loopback
 guard: a job across nodes (the Slurm engine's) needs its stores on the nodes' network, where every user of the
 cluster can reach them, and whoever writes the rendezvous state would otherwise run code as the learner.
+
+Either way, an agent never joins a store on this machine that another user hosts (the port is public while the
+agents start: whoever binds it first would host the job's store): the agent meant to host fails loudly instead.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def main(arguments: list[str]) -> None:
     key = os.environ.pop(KEY_ENV, "")
     if not key:
         sys.exit(f"{KEY_ENV} is not set: it holds the key (hex) that signs this job's rendezvous state.")
-    from .store_guard import keep_stores_on_loopback, sign_rendezvous_state
+    from .store_guard import keep_stores_on_loopback, refuse_other_users_stores, sign_rendezvous_state
 
     signed_only = arguments[:1] == [SIGNED_ONLY]
     if signed_only:
@@ -40,6 +43,7 @@ def main(arguments: list[str]) -> None:
         if not any(argument == "--local-addr" or argument.startswith("--local-addr=") for argument in arguments):
             arguments = ["--local-addr", "127.0.0.1", *arguments]
     sign_rendezvous_state(bytes.fromhex(key))
+    refuse_other_users_stores()
     from torch.distributed.run import main as torchrun
 
     sys.argv = ["torchrun", *arguments]

@@ -11,6 +11,16 @@ prefixed with an HMAC under a key that only this job's agents hold (handed down 
 environment, which only the job's own user can read), and a state without it is refused before it is
 unpickled: `RendezvousStateError`, the job fails, nothing of the stranger's bytes runs.
 
+And a third: a rendezvous store this job's agents join on this machine must be hosted by this user. The port
+is public (every agent's command line shows `--rdzv-endpoint`) while the agents import torch, and torch's c10d
+backend quietly turns an agent that cannot bind the port into a client of whoever holds it
+(`c10d_rendezvous_backend._create_tcp_store`): another user who binds it first would host the job's store, list
+its keys and rewrite the unsigned ones. So a client store on one of this machine's addresses checks who listens
+on its port (`/proc/net/tcp`, which shows each socket's owner) and refuses another user's: the agent meant to host
+fails loudly instead (`refuse_other_users_stores`). An agent on another machine cannot see who listens there:
+its job fails when the agent that was to host does (`srun --kill-on-bad-exit`), and the signature keeps the
+stranger's state from being believed meanwhile.
+
 Used by the launcher's supervisor (its agents are forked from it: they share the key) and by
 `guarded_torchrun`, the real `torchrun` command as lessons 4 and 5 run it. No torch import at module level:
 the patches import what they patch.
@@ -74,7 +84,91 @@ def _store_factory(make_store):
         options.pop("master_listen_fd", None)
         return loopback_store(port, address=loopback_address(host_name), **options)
 
+    store.on_loopback = True
     return store
+
+
+def listening_owners(port: int, address: str) -> set[int]:
+    """The user ids of the sockets listening on TCP `port` at `address` or at a wildcard (IPv4 and IPv6), from
+    /proc/net/tcp and tcp6 (readable by every user, one line per socket with its owner's uid)."""
+    wanted = {ipaddress.ip_address(address), ipaddress.ip_address("0.0.0.0"), ipaddress.ip_address("::")}
+    owners = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as lines:
+                next(lines)
+                for line in lines:
+                    fields = line.split()
+                    local, state, uid = fields[1], fields[3], int(fields[7])
+                    host, port_hex = local.split(":")
+                    if state == "0A" and int(port_hex, 16) == port and _proc_net_address(host) in wanted:
+                        owners.add(uid)
+        except OSError:
+            continue
+    return owners
+
+
+def _proc_net_address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address as /proc/net/tcp{,6} writes it: host-order 32-bit words in hex; an IPv4-mapped IPv6 as IPv4."""
+    raw = bytes.fromhex(hex_address)
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    address = ipaddress.ip_address(raw)
+    return address.ipv4_mapped or address if isinstance(address, ipaddress.IPv6Address) else address
+
+
+def is_this_machines_address(host: str) -> bool:
+    """Whether `host` names an address of this machine (one a socket here can bind)."""
+    try:
+        address = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+class ForeignStoreError(RuntimeError):
+    """The store at a rendezvous endpoint on this machine is held by another user's process."""
+
+
+def check_store_is_ours(host: str, port: int) -> None:
+    """ForeignStoreError if another user's process listens on `port` at `host` (an address of this machine)."""
+    address = socket.gethostbyname(host)
+    strangers = listening_owners(port, address) - {os.geteuid()}
+    if strangers:
+        raise ForeignStoreError(
+            f"Port {port} on {host} is held by another user's process (uid {', '.join(map(str, sorted(strangers)))}), "
+            "not by this job: the rendezvous store this agent would join is not this job's, and nothing was read "
+            "from it. The agent meant to host the store could not, so the job stops here. Start it again (a new "
+            "port: rendezvous_port), and tell the machine's administrator if it happens again.")
+
+
+def _own_stores_only(make_store):
+    """`make_store` (torch's TCPStore, or its loopback factory) whose client side, towards an address of this
+    machine, refuses a store another user hosts."""
+    if getattr(make_store, "own_stores_only", False):
+        return make_store
+
+    @functools.wraps(make_store)
+    def store(host_name, port, *positional, **options):
+        options.update(zip(_STORE_PARAMETERS, positional))
+        made = make_store(host_name, port, **options)
+        if not options.get("is_master") and is_this_machines_address(host_name):
+            check_store_is_ours(host_name, port)
+        return made
+
+    store.own_stores_only = True
+    return store
+
+
+def refuse_other_users_stores() -> None:
+    """In this process, an agent that joins a rendezvous store on this machine (c10d's, as a client after failing
+    to host it, or the static rendezvous's) refuses one another user's process hosts: ForeignStoreError, which
+    c10d reports as its RendezvousConnectionError."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
+
+    for module in (c10d_rendezvous_backend, static_tcp_rendezvous):
+        module.TCPStore = _own_stores_only(module.TCPStore)
 
 
 def keep_stores_on_loopback() -> None:
@@ -85,7 +179,7 @@ def keep_stores_on_loopback() -> None:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
     for module in (c10d_rendezvous_backend, static_tcp_rendezvous):
-        if not hasattr(module.TCPStore, "__wrapped__"):
+        if not getattr(module.TCPStore, "on_loopback", False):
             module.TCPStore = _store_factory(module.TCPStore)
 
     def create_on_loopback(self, master_addr, master_port):

@@ -510,3 +510,120 @@ def test_another_users_process_named_as_the_runs_does_not_stop_its_end(other_use
     run = result.get("run")
     assert run is not None and run.ok, failure_report(run) if run else "the launch raised"
     assert alive_after_the_run, "the other user's process was killed"
+
+
+# A package named as ours, planted in a folder others can write: it leaves a file behind if it is ever imported.
+PLANTED = "open({proof!r} + '/' + str(__import__('os').getpid()), 'w').close()\n"
+
+
+def plant_our_package(folder: Path, proof: Path, user: pwd.struct_passwd | None) -> None:
+    """`folder`/ddp_helpers/ with an __init__ that writes into `proof` when imported, written by `user` (the
+    second user, when the tests run as root) into a folder anyone may write, as a shared scratch folder is."""
+    folder.mkdir(mode=0o777, exist_ok=True)
+    folder.chmod(0o1777)
+    proof.mkdir(mode=0o777, exist_ok=True)
+    proof.chmod(0o777)
+    plant = (f"import os; os.makedirs({str(folder / 'ddp_helpers')!r}); "
+             f"open({str(folder / 'ddp_helpers' / '__init__.py')!r}, 'w').write({PLANTED.format(proof=str(proof))!r})")
+    if user is None:
+        subprocess.run([sys.executable, "-c", plant], check=True)
+    else:
+        done = as_user(user, ["/usr/bin/env", "python3", "-c", plant])
+        assert done.wait(timeout=30) == 0, done.stdout.read()
+
+
+@pytest.fixture
+def planted_folder(shared_folder, request):
+    """A working folder others can write, holding a `ddp_helpers` package the second user planted there (this
+    user, when the tests do not run as root); and the folder its proofs go to."""
+    user = request.getfixturevalue("other_user") if os.geteuid() == 0 else None
+    plant_our_package(shared_folder / "scratch", shared_folder / "proof", user)
+    return shared_folder / "scratch", shared_folder / "proof"
+
+
+@pytest.mark.parametrize("how", ["warm", "cold"])
+def test_a_package_planted_in_a_working_folder_others_can_write_never_runs(how, planted_folder, write_script):
+    """Every process of a launch (the supervisor, torchrun's agents, the ranks) starts with no working folder on its
+    sys.path, so a `ddp_helpers` planted in the --cwd cannot stand in for ours."""
+    from support import failure_report, run_on_cpu
+
+    scratch, proof = planted_folder
+    run = run_on_cpu(write_script("plain", "import os\nprint('rank', os.environ['RANK'])\n"), cwd=scratch,
+                     cold=how == "cold")
+    assert run.ok, failure_report(run)
+    assert list(proof.iterdir()) == [], f"the planted package ran in {len(list(proof.iterdir()))} process(es)"
+
+
+def test_a_warm_ranks_cold_fallback_does_not_import_from_its_working_folder(planted_folder, write_script):
+    """The stub a warm launch starts for each rank becomes the rank itself when the warm process cannot take it
+    (gone, refusing, stopped): that cold rank starts as safely as the others."""
+    from ddp_helpers.engines import BOOTSTRAP
+    from ddp_helpers.engines.local.engine import _STUB
+    from ddp_helpers.python_command import python_module
+
+    scratch, proof = planted_folder
+    script = write_script("plain", "print('the script ran')\n")
+    done = subprocess.run([sys.executable, "-S", "-u", _STUB, str(scratch / "no-such.sock"),
+                           *python_module(BOOTSTRAP), str(script)],
+                          cwd=scratch, capture_output=True, text=True, timeout=60)
+    assert "the script ran" in done.stdout, done.stdout + done.stderr
+    assert list(proof.iterdir()) == [], done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("safe_path_flag", [True, False])
+def test_both_ways_of_starting_our_modules_leave_the_working_folder_off_sys_path(safe_path_flag, planted_folder):
+    """-P on Python 3.11 and later; on 3.10, -c code that drops the working folder before importing anything."""
+    from ddp_helpers.python_command import python_module
+
+    scratch, proof = planted_folder
+    done = subprocess.run([sys.executable, *python_module("ddp_helpers.rendezvous_port", safe_path_flag=safe_path_flag)],
+                          cwd=scratch, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip().isdigit(), done.stdout + done.stderr
+    assert list(proof.iterdir()) == []
+
+
+HOSTS_A_STORE = textwrap.dedent(
+    '''
+    import sys, time
+    from datetime import timedelta
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    print("hosting", flush=True)
+    time.sleep(120)
+    '''
+)
+
+
+@needs_root
+@pytest.mark.parametrize("guard", ["loopback", "signed-only"])
+def test_an_agent_never_joins_a_rendezvous_store_another_user_bound_first(guard, other_user, shared_folder, tmp_path):
+    """Another user reads the port on the agents' command lines and binds it before they do. torch would make each
+    agent a client of that store; the guarded agents fail loudly instead, and nothing of the job runs."""
+    import uuid
+
+    from ddp_helpers.rendezvous_port import rendezvous_port
+
+    python, env = python_for_others()
+    squatter = shared_folder / "squatter.py"
+    squatter.write_text(HOSTS_A_STORE)
+    squatter.chmod(0o644)
+    port = rendezvous_port()
+    hosting = as_user(other_user, [python, str(squatter), str(port)], extra_env=env)
+    try:
+        assert hosting.stdout.readline().strip() == "hosting"
+        worker = tmp_path / "worker.py"
+        worker.write_text("print('the job ran', flush=True)\n")
+        # (--log-dir given here keeps --signed-only first, where guarded_torchrun looks for it)
+        agent = [*(["--signed-only"] if guard == "signed-only" else []), "--log-dir", str(tmp_path / "logs"),
+                 "--nnodes", "2", "--nproc-per-node", "1",
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex,
+                 "--rdzv-conf", "join_timeout=20", str(worker)]
+        results = run_torchrun_commands([agent, agent], timeout_s=60)
+    finally:
+        hosting.kill()
+        hosting.wait()
+    for code, output in results:
+        assert code not in (0, None), output
+        assert "held by another user's process" in output and "the job ran" not in output, output

@@ -31,8 +31,12 @@ from pathlib import Path
 from typing import ClassVar, Protocol
 
 from ..errors import LaunchError
+from ..python_command import python_module
 from ..run_folder import IMPORT_DIR_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder, default_run_dir
 from ..torch_compat import rank_environment
+
+#: the module every rank runs, which then runs the script
+BOOTSTRAP = "ddp_helpers._bootstrap"
 
 DEFAULT_CPU_NPROC = 2
 BACKENDS = ("gloo", "nccl")
@@ -215,7 +219,8 @@ class RankCommand:
 
 
 def rank_command(config: LaunchConfig, run_id: str, engine_env: Mapping[str, str] | None = None) -> RankCommand:
-    """The rank contract of launch `run_id`: every rank runs `python -m ddp_helpers._bootstrap SCRIPT ARGS`
+    """The rank contract of launch `run_id`: every rank runs `python -P -m ddp_helpers._bootstrap SCRIPT ARGS`
+    (`argv` is what follows the interpreter: `python_command.python_module`, the working folder off sys.path)
     with the run folder and the run's id in its environment (and the import folder, if any), unbuffered
     output, `config.extra_env`, and `engine_env` (what only this engine's ranks need) last."""
     defaults = {
@@ -231,7 +236,7 @@ def rank_command(config: LaunchConfig, run_id: str, engine_env: Mapping[str, str
     env = {**config.extra_env, RUN_DIR_ENV: str(config.run_dir), RUN_ID_ENV: run_id,
            **({IMPORT_DIR_ENV: str(config.import_dir)} if config.import_dir else {}),
            "PYTHONUNBUFFERED": "1", **(engine_env or {})}
-    argv = ("-m", "ddp_helpers._bootstrap", str(config.script), *config.script_args)
+    argv = (*python_module(BOOTSTRAP), str(config.script), *config.script_args)
     return RankCommand(argv=argv, env=env, defaults=defaults, python_path=_PACKAGE_PARENT)
 
 

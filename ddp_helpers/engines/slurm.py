@@ -42,6 +42,7 @@ from pathlib import Path
 from .. import _hang_probe, hang
 from ..errors import LaunchError
 from ..guarded_torchrun import SIGNED_ONLY, new_key_line
+from ..python_command import python_module_command, python_module_shell
 from ..run_folder import AGENT_ENV, NODE_ENV, RunFolder, open_private
 from . import (DEFAULT_CPU_NPROC, RESERVED_ENV, Ending, Engine, Job, LaunchConfig, LaunchRequest, OutputPump, RankEnding,
                option_text, parse_nproc, rank_command, register_job)
@@ -176,18 +177,18 @@ def job_script(config: LaunchConfig, run_id: str) -> str:
         "# (this script runs on the first node), below the ports the OS hands out, where no connection takes it.",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         'head_address=$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | cut -d " " -f 1)',
-        f"port=$({python} -m ddp_helpers.rendezvous_port)",
+        f"port=$({python_module_shell('ddp_helpers.rendezvous_port')})",
         "# Every user of the cluster can reach that port, and torchrun's agents unpickle the rendezvous state kept",
         "# there: ddp_helpers.guarded_torchrun is torchrun with that state signed by a key only this job holds.",
         new_key_line(python),
         f"cd {shlex.quote(str(config.working_dir))}",
         "",
         f"srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {shlex.quote(per_node)} node \\",
-        f"    {python} -m ddp_helpers.guarded_torchrun {SIGNED_ONLY} \\",
+        f"    {python_module_shell('ddp_helpers.guarded_torchrun')} {SIGNED_ONLY} \\",
         f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {config.ranks_per_agent} \\",
         '    --rdzv-backend c10d --rdzv-endpoint "$head_address:$port" --rdzv-id "$SLURM_JOB_ID" \\',
         f"    --max-restarts {config.max_restarts} \\",
-        f"    {worker}",
+        f"    --no-python {python} -u {worker}",
         "",
     ]
     return "\n".join(lines)
@@ -270,8 +271,8 @@ class SlurmEngine(Engine):
         with open_private(path, "w") as script:
             script.write(job_script(self.config, run_id))
         self.job_id = submit(path)
-        self._guard = subprocess.Popen([sys.executable, "-m", __name__, "GUARD", str(os.getpid()),
-                                        self.job_id], stdin=subprocess.DEVNULL, start_new_session=True)
+        self._guard = subprocess.Popen(python_module_command(__name__, "GUARD", str(os.getpid()), self.job_id),
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
 
     def running(self) -> bool:
         state, detail = job_state(self.job_id)

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from ..guarded_torchrun import new_key_line
+from ..python_command import python_module_shell
 from .slurm_jobs import cancelled_if_this_process_dies, has_ended, job_field, job_folder, slurm, submit, wait_until
 
 STEPS = 30
@@ -103,7 +104,7 @@ def job_script(train_script: Path, folder: Path, warning_s: int = 60) -> str:
         "# torchrun with the two guards a node shared with other users needs (its stores on loopback only, its",
         "# rendezvous state signed with this key): ddp_helpers/guarded_torchrun.py. On a node of your own: torchrun.",
         new_key_line(python),
-        f"{python} -m ddp_helpers.guarded_torchrun --standalone --nproc-per-node 2 {shlex.quote(str(train_script))} "
+        f"{python_module_shell('ddp_helpers.guarded_torchrun')} --standalone --nproc-per-node 2 {shlex.quote(str(train_script))} "
         f"{shlex.quote(str(folder))} &",
         "agent=$!",
         'while kill -0 "$agent" 2>/dev/null; do wait "$agent"; done   # a trapped signal interrupts wait: wait again',

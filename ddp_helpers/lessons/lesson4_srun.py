@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..python_command import python_module_shell
 from .slurm_jobs import cancelled_if_this_process_dies, has_ended, job_field, job_folder, slurm, submit, wait_until
 
 TASK_SCRIPT = '''\
@@ -49,7 +50,7 @@ def job_script(task_script: Path, output_dir: Path, nodes: int, tasks_per_node: 
         "set -euo pipefail",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         'export MASTER_ADDR=$(srun --nodes=1 --ntasks=1 -w "$head" hostname --ip-address | cut -d " " -f 1)',
-        f"export MASTER_PORT=$({python} -m ddp_helpers.rendezvous_port)  # free now, outside the OS's ephemeral range",
+        f"export MASTER_PORT=$({python_module_shell('ddp_helpers.rendezvous_port')})  # free now, outside the OS's ephemeral range",
         f"srun --kill-on-bad-exit=1 --output={output_dir}/task%t.out {python} {shlex.quote(str(task_script))}",
         "",
     ])

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 
 from ..cells import is_cell_script
+from ..python_command import python_module_command
 from ..result import RunResult
 from ..run_folder import RunFolder
 
@@ -27,8 +27,7 @@ class FrTraceVerdict:
 def torchfrtrace(run: RunResult) -> FrTraceVerdict:
     """`torchfrtrace <run folder>/flight_recorder --prefix rank` on `run`'s dumps (as a terminal would run it)."""
     dumps = RunFolder(run.config.run_dir, run.run_id).flight_recorder_dump(0).parent
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(dumps),
-                           "--prefix", "rank"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(python_module_command("torch.distributed.flight_recorder.fr_trace", str(dumps), "--prefix", "rank"), capture_output=True, text=True, timeout=120)
     said = done.stdout + done.stderr  # it reports through logging: on stderr
     lines = [line for line in said.splitlines() if not line.startswith("tabulate is not installed")]
     script = run.config.script.name

@@ -19,7 +19,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..guarded_torchrun import KEY_ENV
+from ..python_command import python_module_command
 
 MARKER_ENV = "DDP_LESSONS_TORCHRUN_COMMAND"
 
@@ -53,7 +53,7 @@ def torchrun_in_background(arguments: list[str], marker: str | None = None,
                 "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1", **(extra_env or {}),
                 KEY_ENV: job_key or new_job_key(),
                 "PYTHONPATH": os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)})
-    process = subprocess.Popen([sys.executable, "-m", "ddp_helpers.guarded_torchrun", *arguments], env=env,
+    process = subprocess.Popen(python_module_command("ddp_helpers.guarded_torchrun", *arguments), env=env,
                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True,
                                # A killed kernel ends the job too: torchrun stops its workers on SIGTERM.

@@ -8,11 +8,12 @@ import contextlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from ..python_command import python_module_command
 
 STILL_GOING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
 
@@ -36,7 +37,7 @@ def cancelled_if_this_process_dies(job_id: str) -> Iterator[None]:
     """While the block runs, a guard process (the %%torchrun Slurm engine's) cancels the job if this process dies
     first (a killed kernel): the job does not run on without anyone to read it. Started by its command line, not
     through `engines.slurm`, which no lesson imports (tests/test_structure.py: engines sit behind the seam)."""
-    guard = subprocess.Popen([sys.executable, "-m", "ddp_helpers.engines.slurm", "GUARD", str(os.getpid()), job_id],
+    guard = subprocess.Popen(python_module_command("ddp_helpers.engines.slurm", "GUARD", str(os.getpid()), job_id),
                              stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         yield

@@ -1,4 +1,4 @@
-"""The worker command of a warm launch: `python -S -u _zygote_stub.py SOCKET -m ddp_helpers._bootstrap SCRIPT ...`.
+"""The worker command of a warm launch: `python -S -u _zygote_stub.py SOCKET -P -m ddp_helpers._bootstrap SCRIPT ...`.
 
 torchrun starts this instead of a Python that would import torch. It imports nothing heavy (run with
 -S, standard library only): it hands its environment, working directory, arguments and file
@@ -9,7 +9,7 @@ dies of the same signal). When the stub dies (SIGKILL), the zygote kills the wor
 
 When the zygote cannot take the request (gone, refusing, or not answering within ANSWER_TIMEOUT_S:
 stopped with SIGSTOP, say), the stub becomes the cold worker:
-it execs `python -u -m ddp_helpers._bootstrap ...` in place, so the launch still runs, as it would
+it execs `python -u -P -m ddp_helpers._bootstrap ...` in place, so the launch still runs, as it would
 without warm launches.
 """
 

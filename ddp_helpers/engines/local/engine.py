@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from ... import hang
+from ...python_command import python_module_command
 from ...processes import kill_marked, kill_process_groups, process_is_dead, run_despite_interrupts, stop_process_group
 from ...run_folder import (LOOPBACK_ENV, RUN_DIR_ENV, RUN_ID_ENV, AgentOutcome, KillRequest, RankIdentity, RunFolder,
                            open_private)
@@ -82,7 +83,10 @@ def supervisor_spec(config: LaunchConfig, folder: RunFolder, run_id: str, parent
     (no torch import), which has the zygote fork it."""
     worker = list(rank_command(config, run_id).argv)
     if zygote_socket is not None:
-        worker = ["--no-python", sys.executable, "-S", "-u", _STUB, zygote_socket, *worker]
+        worker = [sys.executable, "-S", "-u", _STUB, zygote_socket, *worker]
+    else:
+        worker = [sys.executable, "-u", *worker]
+    worker = ["--no-python", *worker]  # the interpreter's own flags (-P) are ours to give, not torchrun's
     return SupervisorSpec(
         parent_pid=parent_pid, run_id=run_id, shutdown_grace_s=SHUTDOWN_GRACE_S, nnodes=config.nnodes,
         ranks_per_agent=config.ranks_per_agent, max_restarts=config.max_restarts, worker=tuple(worker),
@@ -133,7 +137,7 @@ class LocalEngine(Engine):
                         zygote.note(f"the warm process could not start the run ({error})")
         supervisor_spec(config, folder, self.run_id, os.getpid(), env).write(folder.supervisor_spec)
         return subprocess.Popen(
-            [sys.executable, "-m", "ddp_helpers.engines.local.supervisor", str(folder.supervisor_spec)],
+            python_module_command("ddp_helpers.engines.local.supervisor", str(folder.supervisor_spec)),
             env=env,
             cwd=config.working_dir,
             stdin=subprocess.DEVNULL,

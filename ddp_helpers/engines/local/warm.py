@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from ...python_command import python_module_command
 from . import _framing
 from .warm_environment import environment_mismatch, packages_fingerprint, torch_fingerprint
 
@@ -202,7 +203,7 @@ class ZygoteHandle:
         self.env = dict(env)
         with open(os.path.join(folder, "zygote.log"), "wb") as log:
             process = _popen_from_a_lasting_thread(
-                [sys.executable, "-m", "ddp_helpers.engines.local.zygote", str(os.getpid()), folder],
+                python_module_command("ddp_helpers.engines.local.zygote", str(os.getpid()), folder),
                 env=self.env, cwd=folder, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # the stop button's SIGINT is for the kernel
             )

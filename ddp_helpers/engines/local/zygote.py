@@ -49,6 +49,8 @@ import time
 
 from . import _framing
 from ...processes import process_name_for, set_process_name
+from ...python_command import module_arguments
+from .. import BOOTSTRAP
 from ...run_folder import AGENT_PID_ENV, RUN_ID_ENV
 from .warm_environment import installed_fingerprint
 
@@ -167,8 +169,7 @@ def _become_child(request: _framing.ForkRequest, fds: list[int], go: int) -> Non
         os.umask(request.umask)
         # The run's marker where the sweep can see it: /proc environ still shows the zygote's.
         set_process_name(process_name_for(os.environ.get(RUN_ID_ENV, "")))
-        os.chdir(request.cwd)
-        sys.path[0] = os.getcwd()  # as `python -m ...` started here would have it
+        os.chdir(request.cwd)  # sys.path stays as `python -P -m ...` started here has it: no working folder
         _fresh_randomness()
         import torch
 
@@ -182,8 +183,7 @@ def _become_child(request: _framing.ForkRequest, fds: list[int], go: int) -> Non
         else:
             from ... import _bootstrap
 
-            argv = request.argv  # ["-m", "ddp_helpers._bootstrap", SCRIPT, ARGS...]
-            sys.argv = ["-m", *argv[2:]]
+            sys.argv = ["-m", *module_arguments(request.argv, BOOTSTRAP)]  # argv: python_module(BOOTSTRAP), SCRIPT, ARGS
             # The rank dies with its parent, which is this zygote here (the stub stands in for it
             # towards torchrun; the zygote kills the rank if the stub dies).
             os.environ[AGENT_PID_ENV] = str(os.getppid())

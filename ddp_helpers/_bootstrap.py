@@ -37,7 +37,7 @@ import types
 import weakref
 
 from . import _all_reduce_log, _channel_bytes, _hang_probe, _point_to_point
-from .processes import die_with_parent, start_time
+from .processes import become_child_subreaper, descendants, die_with_parent, start_time
 from .run_folder import (AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, IMPORT_DIR_ENV, LOOPBACK_ENV, NODE_ENV, SECRET_ENV,
                          RankErrorRecord, RankIdentity, RunFolder, open_private)
 
@@ -454,6 +454,7 @@ def main() -> None:
     sys.argv = [script, *sys.argv[2:]]
     agent_pid = os.environ.get(AGENT_PID_ENV)
     die_with_parent(int(agent_pid) if agent_pid else None)
+    become_child_subreaper()  # what the script's children leave orphaned stays below this rank (processes.py)
     rank = int(os.environ.get("RANK", "0"))
     folder = RunFolder.from_environment()
     if folder is not None:
@@ -499,6 +500,9 @@ def main() -> None:
                                   point_to_point=_point_to_point.summary(),
                                   all_reduced=_all_reduce_log.summary(),
                                   collectives=_collectives_called(rank), channel_bytes=_channel_bytes.summary())
+            # What the script started and left running, whatever its group, session or environment: the sweep's list.
+            for pid in descendants([os.getpid()]):
+                folder.record_forked_child(pid, start_time(pid))
             # How it ended, for engines with no agent to ask (a cluster's job), and for a rank whose agent was stopped.
             folder.write_exit(rank, exit_code)
         if exit_code == 0:

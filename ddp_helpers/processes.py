@@ -8,7 +8,11 @@ Three layers, because each covers a case the others miss:
 2. Stopping the supervisor politely (SIGTERM; the agent stops the workers), then SIGKILL after a
    bounded grace period.
 3. A sweep of /proc for the run's marker variable, which every process of the run inherits (a rank's
-   own children too): run by the supervisor as it ends, and by the launcher after it.
+   own children too): run by the supervisor as it ends, and by the launcher after it. It kills what it finds
+   with every descendant.
+4. Child subreapers (Linux prctl): a rank and a cold supervisor adopt what their descendants leave orphaned,
+   so that a child in a group and session of its own with a scrubbed environment (no marker) still sits below
+   them: a rank records its whole subtree as it ends (the sweep's list), a supervisor kills its own.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 ARMED, ARM_PARENT_DEATH_UNSUPPORTED, ARM_PARENT_DEATH_FAILED = "armed", "unsupported", "parent gone"
@@ -44,6 +49,34 @@ def die_with_parent(expected_parent_pid: int | None = None) -> None:
     """SIGKILL this process when its parent dies; exit now if the parent is already gone."""
     if arm_parent_death_signal(signal.SIGKILL, expected_parent_pid) == ARM_PARENT_DEATH_FAILED:
         os._exit(1)
+
+
+def become_child_subreaper() -> bool:
+    """Ask Linux to make this process the parent of any descendant orphaned below it (instead of init), so that
+    `descendants` still finds it. Not inherited by forked children. False where Linux refuses or lacks it."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def descendants(pids) -> list[int]:
+    """Every live process below any of `pids` (children, their children, ...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(") ", 1)[-1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, frontier = [], list(pids)
+    while frontier:
+        below = children.get(frontier.pop(), [])
+        found += [pid for pid in below if pid not in found]
+        frontier += below
+    return found
 
 
 def process_name_for(run_id: str) -> str:
@@ -102,6 +135,18 @@ def kill_marked(run_id: str, marker_env: str, wait_s: float = 5.0,
     until they are gone. Returns the PIDs killed."""
     pids = marked_processes(run_id, marker_env)
     pids += [pid for pid, started in recorded if pid not in pids and pid != os.getpid() and start_time(pid) == started]
+    me = os.geteuid()
+    pids += [pid for pid in descendants(pids) if pid not in pids and _owner(pid) == me]
+    return _kill_and_wait(pids, wait_s)
+
+
+def kill_descendants(wait_s: float = 5.0) -> list[int]:
+    """SIGKILL every process below this one (with `become_child_subreaper`, the orphans too) and wait until
+    they are gone. Returns the PIDs killed."""
+    return _kill_and_wait(descendants([os.getpid()]), wait_s)
+
+
+def _kill_and_wait(pids: list[int], wait_s: float) -> list[int]:
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -122,6 +167,13 @@ def kill_process_groups(leaders) -> None:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError, OSError):
             pass
+
+
+def _owner(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
 
 
 def process_is_dead(pid: int) -> bool:

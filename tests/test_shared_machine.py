@@ -627,3 +627,31 @@ def test_an_agent_never_joins_a_rendezvous_store_another_user_bound_first(guard,
     for code, output in results:
         assert code not in (0, None), output
         assert "held by another user's process" in output and "the job ran" not in output, output
+
+
+LEAVES_UNMARKED_CHILDREN = textwrap.dedent(
+    '''
+    import os, subprocess
+    from ddp_helpers import record
+    if os.environ["RANK"] == "0":
+        # A child in a process group of its own, with an empty environment: no marker, not in the rank's group.
+        grouped = subprocess.Popen(["/bin/sleep", "300"], process_group=0, env={})
+        # A grandchild orphaned at once, in a session of its own, empty environment too.
+        shell = subprocess.run(["/bin/sh", "-c", "/usr/bin/setsid /bin/sleep 301 >/dev/null 2>&1 & echo $!"],
+                               env={}, start_new_session=True, capture_output=True, text=True)
+        record("left", [grouped.pid, int(shell.stdout)])
+    '''
+)
+
+
+@pytest.mark.parametrize("how", ["warm", "cold"])
+def test_a_child_with_its_own_group_and_no_environment_does_not_survive_the_run(how, write_script):
+    from ddp_helpers.processes import process_is_dead
+    from support import failure_report, run_on_cpu
+
+    run = run_on_cpu(write_script("leaves", LEAVES_UNMARKED_CHILDREN), cold=how == "cold")
+    assert run.ok, failure_report(run)
+    survivors = [pid for pid in run.ranks[0].facts["left"] if not process_is_dead(pid)]
+    for pid in survivors:
+        os.kill(pid, 9)
+    assert survivors == [], f"{survivors} of a {how} rank's children outlived the run"

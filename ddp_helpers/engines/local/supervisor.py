@@ -45,7 +45,8 @@ from pathlib import Path
 
 from .agents import STOP_SIGNALS, JoinWhenSeen, OtherAgents, Stopped, merge_outcomes, raise_stopped, run_agent
 from ...processes import (
-    ARM_PARENT_DEATH_FAILED, arm_parent_death_signal, kill_marked, kill_process_groups, process_is_dead,
+    ARM_PARENT_DEATH_FAILED, arm_parent_death_signal, become_child_subreaper, kill_descendants, kill_marked,
+    kill_process_groups, process_is_dead,
 )
 from ...run_folder import OUTPUT_KEEP_BYTES, RUN_ID_ENV, AgentOutcome, RunFolder, open_private
 from ...store_guard import keep_stores_on_loopback, loopback_store, sign_rendezvous_state
@@ -245,6 +246,7 @@ class SupervisedRun:
             self.others.wait(timeout_s=0, grace_s=self.spec.shutdown_grace_s)  # they stop their ranks, then we sweep
         kill_marked(self.spec.run_id, RUN_ID_ENV, recorded=folder.read_forked_children())
         kill_process_groups(folder.rank_pids(world_size))
+        kill_descendants()  # what a rank left orphaned came to us (a child subreaper), marked or not
         if self.watcher is not None:
             self.watcher.stop()
             outcome = replace(outcome, died_at=dict(self.watcher.died_at))
@@ -273,6 +275,7 @@ def main(argv: list[str]) -> int:
     # The kernel's death reaches us as SIGTERM: we stop the run, then exit.
     if arm_parent_death_signal(signal.SIGTERM, spec.parent_pid) == ARM_PARENT_DEATH_FAILED:
         return 1  # the kernel died before we were ready: nothing was started
+    become_child_subreaper()  # a cold rank killed outright leaves its children to us, not to init
     # Before the other agents are forked: theirs too, and they share the key.
     keep_stores_on_loopback()
     sign_rendezvous_state(secrets.token_bytes(32))

@@ -1,4 +1,5 @@
-"""Rank side: what a rank's script hands to `all_reduce`, seen by the launcher.
+"""Rank side: what a rank's script hands to `all_reduce` and the other collectives that move its data, seen by
+the launcher.
 
 The bootstrap wraps `torch.distributed.all_reduce` in every rank, so that a checker can see what each rank
 put in, not only that an all-reduce of some shape happened (torch's flight recorder keeps shapes, never
@@ -6,7 +7,12 @@ values): lesson 5's checker asks that each rank contributed its own gradient eve
 where it had no sample, which a rank all-reducing junk, or every rank computing every rank's gradient
 itself, does not. Each of the first MAX_CALLS calls is logged with its shape, dtype and reduce op; a small
 tensor's values too, as they were passed in. DDP's own gradient all-reduces run in C++ and are not seen
-here (the flight recorder counts those), nor are calls inside code torch.compile traced."""
+here (the flight recorder counts those), nor are calls inside code torch.compile traced.
+
+The other collectives that carry a rank's own data (all_gather, reduce, gather, broadcast, reduce_scatter and
+their object forms: `OTHER_COLLECTIVES`) are logged the same way, apart, each entry naming its collective:
+exercise checkers ask for positive evidence that each rank's own number went into a collective, by whichever
+route. A collective torch calls inside another (all_gather_object's all_gathers) is not logged twice."""
 
 from __future__ import annotations
 
@@ -19,6 +25,12 @@ MAX_CALLS = 1000
 MAX_VALUES = 64
 
 calls: list[dict] = []
+other_calls: list[dict] = []  # OTHER_COLLECTIVES', each with its "collective"
+# The other collectives, and the position of the argument that holds what this rank puts in.
+OTHER_COLLECTIVES = {"all_gather": 1, "all_gather_into_tensor": 1, "reduce": 0, "broadcast": 0, "gather": 0,
+                     "reduce_scatter_tensor": 1, "all_gather_object": 1, "gather_object": 0,
+                     "broadcast_object_list": 0}
+_depth = 0  # > 0 inside a logged call: torch's own inner collectives are not the script's
 # Set by a checker's rank-side code (lesson 7's exercise model): log every call's sum too, whatever its size,
 # so the checker can tell that a rank all-reduced its own gradients, not zeros or other numbers for show.
 # Off by default: a sum is a pass over the tensor, and lesson 6 times large all-reduces.
@@ -45,35 +57,66 @@ def _capturing(tensor) -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-def _logged(function, is_compiling):
+def _logged(function, is_compiling, log=None, position=0):
+    """`function` logging what it is handed: all_reduce's entry, or (`log`) another collective's input at `position`."""
     @functools.wraps(function)
-    def logged(tensor, *args, **kwargs):
+    def logged(*args, **kwargs):
+        global _depth
         # Invisible to torch.compile: while Dynamo traces the script's code, `is_compiling()` is a constant True
         # (torch/compiler/__init__.py), so it traces torch's own all_reduce, as under plain torchrun, and the
         # logging (a .tolist() it cannot trace) never enters the graph. Compiled calls are not logged.
-        if is_compiling():
-            return function(tensor, *args, **kwargs)
-        if len(calls) < MAX_CALLS:
+        if is_compiling() or _depth:
+            return function(*args, **kwargs)
+        target = calls if log is None else other_calls
+        if len(target) < MAX_CALLS:
             try:
-                calls.append(_entry(tensor, args, kwargs))
-            except Exception:  # noqa: BLE001 - not a tensor: all_reduce itself says what is wrong
+                target.append(_entry(args[0], args[1:], kwargs) if log is None else
+                              {"collective": log, **_input_entry(args[position] if len(args) > position else None)})
+            except Exception:  # noqa: BLE001 - not a tensor: the collective itself says what is wrong
                 pass
-        return function(tensor, *args, **kwargs)
+        _depth += 1
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _depth -= 1
 
     logged.__ddp_helpers_logged__ = True
     return logged
 
 
+def _input_entry(value) -> dict:
+    """What a rank put into a collective: a small tensor's values, a number, or a short list of numbers."""
+    if hasattr(value, "shape") and hasattr(value, "detach"):
+        entry = {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+        if value.numel() <= MAX_VALUES and not _capturing(value):
+            entry["values"] = value.detach().cpu().double().flatten().tolist()
+        return entry
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return {"values": [float(value)]}
+    if isinstance(value, (list, tuple)) and len(value) <= MAX_VALUES:
+        numbers = [float(v) for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        tensors = [v for v in value if hasattr(v, "numel") and v.numel() <= MAX_VALUES]
+        numbers += [x for v in tensors for x in v.detach().cpu().double().flatten().tolist()]
+        return {"values": numbers} if numbers else {}
+    return {}
+
+
 def observe(c10d_module) -> None:
-    """Wrap `all_reduce` in `torch.distributed.distributed_c10d` (and in `torch.distributed`, which re-exports
-    it, where a warm rank imported it already)."""
+    """Wrap `all_reduce` and `OTHER_COLLECTIVES` in `torch.distributed.distributed_c10d` (and in `torch.distributed`,
+    which re-exports them, where a warm rank imported it already)."""
     function = getattr(c10d_module, "all_reduce", None)
     if function is None or getattr(function, "__ddp_helpers_logged__", False):
         return
-    c10d_module.all_reduce = _logged(function, _compiler_check())
+    is_compiling = _compiler_check()
+    c10d_module.all_reduce = _logged(function, is_compiling)
+    for name, position in OTHER_COLLECTIVES.items():
+        if hasattr(c10d_module, name):
+            setattr(c10d_module, name, _logged(getattr(c10d_module, name), is_compiling, name, position))
     package = sys.modules.get("torch.distributed")
     if package is not None:
-        package.all_reduce = c10d_module.all_reduce
+        for name in ("all_reduce", *OTHER_COLLECTIVES):
+            if hasattr(c10d_module, name):
+                setattr(package, name, getattr(c10d_module, name))
 
 
 def _compiler_check():
@@ -93,4 +136,5 @@ def _compiler_check():
 
 
 def summary() -> list[dict]:
-    return list(calls)
+    """The all_reduce calls (no "collective" key), then the other collectives' (each with its "collective")."""
+    return list(calls) + list(other_calls)

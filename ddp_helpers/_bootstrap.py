@@ -446,6 +446,13 @@ def _join_run_folder(folder: RunFolder, rank: int):
     return stack_file
 
 
+def _record_what_the_script_left_running(folder: RunFolder) -> None:
+    """Every process below this rank (its orphans too: a child subreaper), whatever its group, session or
+    environment: the sweep's list (`processes.kill_marked`)."""
+    for pid in descendants([os.getpid()]):
+        folder.record_forked_child(pid, start_time(pid))
+
+
 def main() -> None:
     global _open_stack_file
     if len(sys.argv) < 2:
@@ -500,9 +507,7 @@ def main() -> None:
                                   point_to_point=_point_to_point.summary(),
                                   all_reduced=_all_reduce_log.summary(),
                                   collectives=_collectives_called(rank), channel_bytes=_channel_bytes.summary())
-            # What the script started and left running, whatever its group, session or environment: the sweep's list.
-            for pid in descendants([os.getpid()]):
-                folder.record_forked_child(pid, start_time(pid))
+            _record_what_the_script_left_running(folder)
             # How it ended, for engines with no agent to ask (a cluster's job), and for a rank whose agent was stopped.
             folder.write_exit(rank, exit_code)
         if exit_code == 0:

@@ -16,6 +16,7 @@ a rank failed or that timed out fails the cell, naming the first failing rank an
 from __future__ import annotations
 
 import argparse
+import builtins
 import keyword
 import re
 import shlex
@@ -93,8 +94,7 @@ class TorchrunMagics(Magics):
         if args.help:
             print(parser.format_help())
             return
-        if not args.out.isidentifier() or keyword.iskeyword(args.out):
-            raise UsageError(f"--out must be a Python variable name, got {args.out!r}.")
+        _check_out(args.out, self.shell)
         name = args.name or _default_cell_name(self.shell)
         notebook = notebook_path(self.shell.user_ns)
         try:
@@ -204,6 +204,27 @@ def _job(args: argparse.Namespace) -> Job:
             if kind is not type(job) and getattr(args, action.dest, action.default) != action.default:
                 raise LaunchError(f"{action.option_strings[-1]} is for {kind.label}, not for {type(job).label}.")
     return job
+
+
+def _check_out(name: str, shell) -> None:
+    """UsageError unless `name` is a variable --out may set."""
+    if not name.isidentifier() or keyword.iskeyword(name):
+        raise UsageError(f"--out must be a Python variable name, got {name!r}.")
+    taken = _taken_by(name, shell)
+    if taken:
+        raise UsageError(f"--out {name!r} would replace {taken} in this kernel; choose another name, such as "
+                         f"{name}_run.")
+
+
+def _taken_by(name: str, shell) -> str:
+    """What `name` already is that a RunResult must not replace: a builtin (`print`), or one of IPython's own names
+    (`get_ipython`, `In`, `Out`, `exit`, the output history `_`, `_3`, `_i3`); "" when it is free."""
+    ipython_names = {"get_ipython", "In", "Out", "exit", "quit", *getattr(shell, "user_ns_hidden", {})}
+    if name in ipython_names or re.fullmatch(r"_+|_i+|_i?\d+|_[oid]h", name):  # IPython adds some to builtins
+        return f"IPython's own {name}"
+    if name in vars(builtins):
+        return f"Python's built-in {name}"
+    return ""
 
 
 def _default_cell_name(shell) -> str:

@@ -112,7 +112,9 @@ def _rank_result(folder: RunFolder, rank: int, identity: RankIdentity, exit_code
         unreadable_facts=unreadable,
         files_written=evidence.files_written,
         point_to_point=evidence.point_to_point,
-        all_reduced=evidence.all_reduced,
+        all_reduced=tuple(call for call in evidence.all_reduced if "collective" not in call),
+        handed_to_collectives=tuple({"collective": "all_reduce", **call} if "collective" not in call else call
+                                    for call in evidence.all_reduced),
         collectives=evidence.collectives,
         channel_bytes=evidence.channel_bytes,
         crossings=evidence.crossings,

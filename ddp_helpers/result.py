@@ -60,6 +60,10 @@ class RankResult:
         all_reduced: its script's own `all_reduce` calls, in order (the first 1000), as the launcher saw
             them: {"shape", "dtype", "op", "values" (what it put in; tensors of at most 64 elements)};
             DDP's all-reduces, made in C++, are not among them. Empty if the rank did not end normally.
+        handed_to_collectives: what its script put into each collective that moves its data (all_reduce,
+            all_gather, reduce, gather, broadcast, reduce_scatter, their object forms), as the launcher saw it:
+            {"collective", "values" (small tensors, numbers, short lists of numbers), ...}; the evidence exercise
+            checkers ask for. Empty if the rank did not end normally.
         collectives: the collectives its script called, in order, as torch's flight recorder held them at
             the end (its last 2000): {"number" (in its group), "op", "shapes", "dtypes", "group", "started_ns"
             (when it was called: the recorder's time_created_ns, time.time_ns()'s clock)}; empty if
@@ -90,6 +94,7 @@ class RankResult:
     files_written: tuple[str, ...] = ()
     point_to_point: tuple[dict, ...] = ()
     all_reduced: tuple[dict, ...] = ()
+    handed_to_collectives: tuple[dict, ...] = ()
     collectives: tuple[dict, ...] = ()
     channel_bytes: dict = field(default_factory=dict)
     crossings: tuple[str, ...] = ()

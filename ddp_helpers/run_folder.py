@@ -14,7 +14,7 @@
         rank0.crossings              other ranks' files here its script opened or changed, or its own secret
                                      changed, one line each as it happened (`note_crossing`)
         rank0.p2p.json               its send/recv calls; rank0.collectives.json: its collectives (flight recorder)
-        rank0.all_reduced.json       what its script handed to all_reduce (values of small tensors)
+        rank0.all_reduced.json       what its script handed to all_reduce and the collectives that move its data
         rank0.secret                 a number only rank 0's process is handed (DDP_HELPERS_RANK_SECRET), drawn at
                                      its first attempt: an exercise's data comes from it, and its checker reads it
         rank0.stack                  every thread's stack, written when a timed-out run asks (SIGUSR1)
@@ -546,6 +546,7 @@ class RunFolder:
                 "give this one another name (magic: --name, launch: run_dir=)."
             ) from None
         folder._lock_fd = lock_fd
+        folder._claimed_inode = os.fstat(lock_fd).st_dev, os.lstat(target).st_ino
         return folder
 
     @staticmethod
@@ -555,9 +556,11 @@ class RunFolder:
         if target.exists() or target.is_symlink():
             what = "a folder" if target.is_dir() else "a file"
             raise LaunchError(
-                f"{target} is {what} that ddp_helpers did not create, so it will not be used as a run folder "
-                "(each launch empties its run folder, and nothing of yours is ever deleted). Give a new folder "
-                "name, or leave run_dir out to use one under the runs folder."
+                f"{target} is {what} that ddp_helpers did not create (it has no {MARKER_NAME} file), so it will not "
+                "be used as a run folder (each launch empties its run folder, and nothing of yours is ever deleted). "
+                "Give a new folder name, or leave run_dir out to use one under the runs folder. If it is a run "
+                "folder of yours whose marker was removed while no launch held it, delete the folder yourself "
+                "and launch again."
             )
         # Made complete (with its marker) under a temporary name, then renamed: a concurrent claimer sees
         # either no folder or a marked one, never a bare one it would have to refuse.
@@ -587,8 +590,21 @@ class RunFolder:
 
     def release(self) -> None:
         if self._lock_fd is not None:
+            self._restore_marker()
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    def _restore_marker(self) -> None:
+        """Put the marker back if the launch's script removed it (a script that empties its working folder, which
+        is this folder by default): without it the folder would never be claimed again. Only into the very folder
+        claimed (same inode, not a link put in its place), so a marker never lands in a folder of the learner's."""
+        marker = self.path / MARKER_NAME
+        try:
+            if marker.is_file() or (os.fstat(self._lock_fd).st_dev, os.lstat(self.path).st_ino) != self._claimed_inode:
+                return
+            write_atomically(marker, json.dumps({"run_id": self.run_id, "pid": os.getpid()}).encode())
+        except OSError:
+            pass  # the folder itself is gone: the next launch makes a new one
 
     def __enter__(self) -> "RunFolder":
         return self

@@ -276,3 +276,21 @@ def test_nothing_of_a_run_listens_beyond_loopback(write_script, options):
     seen = {(r.rank, where): addresses for r in run.ranks for where, addresses in r.facts["listening"].items()}
     assert any(seen.values()), "the run's stores should be listening"
     assert all(a in LOOPBACK_HEX for addresses in seen.values() for a in addresses), seen
+
+
+def test_a_script_that_empties_its_working_folder_leaves_the_run_folder_usable(write_script, tmp_path):
+    """The run folder is the ranks' working folder by default; a script that cleans it removes the folder's marker
+    too. The launcher puts it back, so the same run folder (a cell's name) launches again."""
+    from support import run_on_cpu
+
+    cleans = write_script("cleans", """
+        import os, shutil
+        if os.environ["RANK"] == "0":
+            for entry in os.listdir("."):
+                if entry.startswith(".ddp_helpers"):
+                    os.remove(entry)
+        """)
+    run_dir = tmp_path / "run"
+    for attempt in range(2):
+        run = run_on_cpu(cleans, run_dir=run_dir)
+        assert run.ok, failure_report(run)

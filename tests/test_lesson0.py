@@ -129,3 +129,46 @@ def test_a_wrong_fix_does_not_pass_and_its_mistake_is_named(write_script, source
 def test_one_rank_is_not_enough(write_script, sources):
     run, report = judged(write_script, sources[1], nproc=1)
     assert not report.passed and "run it on 2 ranks or more" in str(report), str(report)
+
+
+# The numbers exchanged over a raw TCP socket between the ranks: a road the launcher does not watch. The rank
+# with the port listens; the others connect and send their numbers; every rank computes the mean itself.
+THROUGH_A_SOCKET = """import os, socket, struct, time
+port = int(os.environ["SIDE_PORT"])  # handed to every rank by the test, as a learner would hard-code one
+if rank == 0:
+    listener = socket.create_server(("127.0.0.1", port))
+    numbers = [number.item()]
+    for _ in range(world_size - 1):
+        connection, _ = listener.accept()
+        numbers.append(struct.unpack("d", connection.recv(8))[0])
+        connection.close()
+    for _ in range(world_size - 1):
+        connection, _ = listener.accept()
+        connection.sendall(struct.pack("d", sum(numbers) / world_size))
+        connection.close()
+    mean = torch.tensor([sum(numbers) / world_size])
+else:
+    def connect():
+        while True:
+            try:
+                return socket.create_connection(("127.0.0.1", port))
+            except ConnectionRefusedError:
+                time.sleep(0.01)
+    with connect() as connection:
+        connection.sendall(struct.pack("d", number.item()))
+    time.sleep(0.2 * rank)
+    with connect() as connection:
+        mean = torch.tensor([struct.unpack("d", connection.recv(8))[0]])
+"""
+
+
+def test_numbers_passed_over_a_raw_socket_are_judged_wrong_for_want_of_a_collective(write_script, sources, tmp_path):
+    """The checker does not list cheats: it asks for each rank's own number going into a collective, and a road the
+    launcher does not watch (here a socket; shared memory or another process's memory alike) shows none."""
+    source = sources[0].replace(GIVEN_MEAN, THROUGH_A_SOCKET)
+    from support import free_port
+
+    run = run_on_cpu(write_script("exercise", source), stream=False, extra_env={"SIDE_PORT": str(free_port())})
+    report = check_mean_exercise(run, second_world=False)
+    assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
+    assert "went into no collective the launcher saw" in str(report), str(report)

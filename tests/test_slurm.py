@@ -187,10 +187,16 @@ def job_end_state(job_id: str, timeout_s: float = 120) -> str:
     return slurm_jobs.job_field(job_id, "JobState")
 
 
-def test_the_generated_job_script_runs_with_plain_sbatch(cluster, write_script):
-    config = make_launch_config(write_script("who", WHO), job=SlurmJob(nodes=2), nproc=1, timeout_s=90, stream=False)
+def test_the_generated_job_script_runs_with_plain_sbatch(cluster, write_script, tmp_path):
+    # Each node's torchrun keeps its per-run folder in the run folder (--log-dir), removed at the end, not in the
+    # node's temporary folder (TMPDIR here, which the job inherits).
+    temporary = tmp_path / "node-tmp"
+    temporary.mkdir()
+    config = make_launch_config(write_script("who", WHO), job=SlurmJob(nodes=2), nproc=1, timeout_s=90, stream=False,
+                                extra_env={"TMPDIR": str(temporary)})
     first = launch(config)
     assert first.ok, failure_report(first)
+    assert list(temporary.iterdir()) == [] and not RunFolder(first.run_dir).torchrun_log_dir.exists()
     for stale in first.run_dir.glob("rank*"):
         stale.unlink()
     job_script = config.script.with_suffix(".sbatch")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -187,7 +188,7 @@ def job_script(config: LaunchConfig, run_id: str) -> str:
         f"    {python_module_shell('ddp_helpers.guarded_torchrun')} {SIGNED_ONLY} \\",
         f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {config.ranks_per_agent} \\",
         '    --rdzv-backend c10d --rdzv-endpoint "$head_address:$port" --rdzv-id "$SLURM_JOB_ID" \\',
-        f"    --max-restarts {config.max_restarts} \\",
+        f"    --max-restarts {config.max_restarts} --log-dir {shlex.quote(str(RunFolder(config.run_dir).torchrun_log_dir))} \\",
         f"    --no-python {python} -u {worker}",
         "",
     ]
@@ -307,6 +308,7 @@ class SlurmEngine(Engine):
         """The job does not outlive the cell: cancelled unless it ended."""
         if self.job_id and not self._final:
             cancel(self.job_id)
+        shutil.rmtree(self.folder.torchrun_log_dir, ignore_errors=True)  # torchrun's per-node folders (--log-dir)
         if self._guard is not None:
             self._guard.kill()
             self._guard.wait()

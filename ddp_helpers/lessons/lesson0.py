@@ -7,7 +7,8 @@ must bring their numbers together, and any collective that does (all_reduce, all
 all_gather_object) is a right answer. The checker reads every rank's secret from the run folder and computes
 the mean itself; it then runs the learner's cell again at another world size, where a divisor written for
 the first one is wrong. Files written by the ranks, and bytes through the job's key-value store, are named: a
-side channel is not a collective.
+side channel is not a collective. And a right mean is not enough: each rank's own number must be seen going into
+a collective (`RankResult.handed_to_collectives`), whatever other road the numbers could take.
 """
 
 from __future__ import annotations
@@ -79,9 +80,25 @@ def _judge(run: RunResult, report: ExerciseReport) -> bool:
     if around:
         report.mistakes.append(around)
         return False
+    unseen = [rank for rank, number in enumerate(numbers) if not _went_into_a_collective(run.ranks[rank], number, world)]
+    if unseen:
+        ranks = ", ".join(f"rank {rank}'s number {numbers[rank]:g}" for rank in unseen)
+        report.mistakes.append(
+            f"on {world} ranks, every rank holds the mean, but {ranks} went into no collective the launcher saw: the "
+            "numbers reached the other ranks by some other way. What is that way, and what does this exercise ask "
+            "the ranks to use?")
+        return False
     report.confirmed.append(f"on {world} ranks, every rank holds the mean of the ranks' numbers "
                             f"({', '.join(f'{n:g}' for n in numbers)}): {expected:g}")
     return True
+
+
+def _went_into_a_collective(rank, number: float, world: int) -> bool:
+    """Positive evidence: the rank put its own number (or its share, number / world) into a collective that moves
+    data (an all-reduce, all-gather, reduce, gather, ... as `RankResult.handed_to_collectives` logs them). Learning
+    the others' numbers by any other road (a socket, shared memory, another process's memory) shows none."""
+    return any(_close(value, wanted) for call in rank.handed_to_collectives for value in call.get("values", ())
+               for wanted in (number, number / world))
 
 
 def _what_they_hold(wrong: list[int], held: list, numbers: list[float], total: float, world: int) -> str:

@@ -104,7 +104,8 @@ def job_script(train_script: Path, folder: Path, warning_s: int = 60) -> str:
         "# torchrun with the two guards a node shared with other users needs (its stores on loopback only, its",
         "# rendezvous state signed with this key): ddp_helpers/guarded_torchrun.py. On a node of your own: torchrun.",
         new_key_line(python),
-        f"{python_module_shell('ddp_helpers.guarded_torchrun')} --standalone --nproc-per-node 2 {shlex.quote(str(train_script))} "
+        f"{python_module_shell('ddp_helpers.guarded_torchrun')} --standalone --nproc-per-node 2 "
+        f"--log-dir {shlex.quote(str(folder / 'torchrun-logs'))} {shlex.quote(str(train_script))} "
         f"{shlex.quote(str(folder))} &",
         "agent=$!",
         'while kill -0 "$agent" 2>/dev/null; do wait "$agent"; done   # a trapped signal interrupts wait: wait again',

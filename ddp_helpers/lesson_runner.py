@@ -116,8 +116,9 @@ class LessonTally:
     images: list = field(default_factory=list)  # PNG files saved
 
 
-def run_notebook(notebook: Path) -> int:
-    """Run every code cell of `notebook`; return 0 if all behaved, 1 otherwise."""
+def run_notebook(notebook: Path, text: str | None = None) -> int:
+    """Run every code cell of `notebook` (or of `text`, another version of it: the lesson as shipped, run in the
+    notebook's place); return 0 if all behaved, 1 otherwise."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,7 +136,7 @@ def run_notebook(notebook: Path) -> int:
     shell.display_pub = PngSavingPublisher(shell=shell, folder=plots)
     shell.user_ns["__session__"] = str(notebook)
     os.chdir(notebook.parent)
-    all_cells = nbformat.read(notebook, as_version=4).cells
+    all_cells = (nbformat.reads(text, as_version=4) if text is not None else nbformat.read(notebook, as_version=4)).cells
     code_count = sum(c.cell_type == "code" for c in all_cells)
     tally, pending, index = LessonTally(), [], 0
     for cell in all_cells:
@@ -228,11 +229,29 @@ def closing_summary(notebook: Path, cells: int, tally: LessonTally, plots: Path)
     return "\n".join(lines)
 
 
+USAGE = ("Usage: scripts/launch_lesson.sh N [--mine]   (N: the lesson number, e.g. 2; --mine: your edited copy "
+         "instead of the lesson as shipped)\n       scripts/launch_lesson.sh N --restore   (the shipped lesson back "
+         "in place of yours, which is kept in notebooks/my_copies/)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .shipped_lessons import edited, restore
+
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        raise SystemExit("Usage: scripts/launch_lesson.sh N   (N: the lesson number, e.g. 2)")
-    return run_notebook(find_lesson(argv[0]))
+    if len(argv) not in (1, 2) or (len(argv) == 2 and argv[1] not in ("--mine", "--restore")):
+        raise SystemExit(USAGE)
+    notebook = find_lesson(argv[0])
+    if argv[1:] == ["--restore"]:
+        kept = restore(notebook)
+        print(f"{notebook.name} is the lesson as shipped again; "
+              + (f"your copy is kept as {kept}." if kept else "your copy ran the same cells (only outputs differed)."))
+        return 0
+    shipped = None if argv[1:] == ["--mine"] else edited(notebook)
+    if shipped is not None:
+        print(f"[ddp_helpers] notebooks/{notebook.name} has your edits: running the lesson as shipped. "
+              f"`scripts/launch_lesson.sh {argv[0]} --mine` runs yours; `scripts/launch_lesson.sh {argv[0]} --restore` "
+              "puts the shipped one back in JupyterLab too, keeping yours in notebooks/my_copies/.", flush=True)
+    return run_notebook(notebook, shipped)
 
 
 if __name__ == "__main__":

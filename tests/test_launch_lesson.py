@@ -17,9 +17,9 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def launch_lesson(argument: str, notebooks: Path | None = None) -> subprocess.CompletedProcess:
+def launch_lesson(argument: str, notebooks: Path | None = None, *options: str) -> subprocess.CompletedProcess:
     env = {**os.environ, **({"DDP_LESSONS_NOTEBOOKS": str(notebooks)} if notebooks else {})}
-    return subprocess.run(["bash", str(ROOT / "scripts" / "launch_lesson.sh"), argument],
+    return subprocess.run(["bash", str(ROOT / "scripts" / "launch_lesson.sh"), argument, *options],
                           capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -115,3 +115,30 @@ def test_the_terminal_shows_headings_folds_expected_failures_and_closes_with_a_s
     assert ("The exercise (code cell 4) as given: judged wrong, as expected (2 mistakes to find). Now solve it in "
             "JupyterLab") in summary
     assert "Plots: none in this lesson." in summary
+
+
+def test_an_edited_lesson_runs_as_shipped_unless_asked_and_comes_back_with_the_edit_kept(tmp_path):
+    """A learner's saved exercise attempt (here a cell that hangs... or simply prints) must not change what
+    launch_lesson.sh runs: the lesson as git's last commit holds it runs, --mine runs the copy, and --restore puts
+    the shipped notebook back, keeping the learner's copy beside it."""
+    course = tmp_path / "clone" / "notebooks"
+    write_lessons(course, ["print('as shipped')"])
+    git = ["git", "-C", str(course.parent), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for command in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "course"]):
+        subprocess.run([*git, *command], check=True, capture_output=True)
+    notebook = course / "07_small_lesson.ipynb"
+    write_lessons(course, ["print('my attempt')"])  # the learner's edit, saved in place
+
+    shipped = launch_lesson("7", course)
+    assert shipped.returncode == 0, shipped.stdout + shipped.stderr
+    assert "as shipped" in shipped.stdout and "my attempt" not in shipped.stdout
+    assert "--mine" in shipped.stdout and "--restore" in shipped.stdout  # it says what ran, and how to get the rest
+    mine = launch_lesson("7", course, "--mine")
+    assert "my attempt" in mine.stdout and "print('as shipped')" not in mine.stdout, mine.stdout + mine.stderr
+
+    restored = launch_lesson("7", course, "--restore")
+    assert restored.returncode == 0, restored.stdout + restored.stderr
+    kept = list((course / "my_copies").glob("07_small_lesson.*.ipynb"))
+    assert len(kept) == 1 and "my attempt" in kept[0].read_text()
+    assert "as shipped" in notebook.read_text() and "my attempt" not in notebook.read_text()
+    assert launch_lesson("7", course).stdout.count("has your edits") == 0  # nothing to tell once restored

@@ -62,6 +62,19 @@ def _tested_torch() -> str:
     return re.search(r'^tested_torch="([^"]+)"', (ROOT / "scripts" / "ensure_env.sh").read_text(), re.M).group(1)
 
 
+def test_every_torch_range_the_readme_states_is_pyprojects():
+    """'any torch from 2.10 to 2.14', 'torch>=2.10,<2.15': the README says the range pyproject.toml asks for."""
+    from ddp_helpers import torch_compat
+
+    package_range = str(_torch_requirement(_pyproject_requirements()).specifier)
+    readme = (ROOT / "README.md").read_text()
+    lowest, newest = (f"{v[0]}.{v[1]}" for v in (torch_compat.LOWEST, torch_compat.NEWEST_CHECKED))
+    kept = re.findall(r"any torch from (\d+\.\d+) to (\d+\.\d+)", readme)
+    asked = re.findall(r"`torch(>=[\d.]+,<[\d.]+)`", readme)
+    assert kept and all(pair == (lowest, newest) for pair in kept), kept
+    assert asked and all(set(a.split(",")) == set(package_range.split(",")) for a in asked), (asked, package_range)
+
+
 def test_environment_yml_lists_the_same_packages_as_pyproject():
     pip_path, conda_path = _pyproject_requirements(), _environment_yml_requirements()
     assert _requirement_names(conda_path) == _requirement_names(pip_path)
@@ -162,23 +175,21 @@ def test_another_torch_for_the_scripts_is_a_version_number(asked):
     assert not list(ROOT.glob(".venv-torch-[!0-9]*")), "no venv may be made for a name that is no version"
 
 
-@pytest.mark.parametrize("asked", ["cpu", "download.pytorch.org/whl/cpu", "https://x/cpu; rm -rf ~"])
+@pytest.mark.parametrize("asked", ["cuda", "download.pytorch.org/whl/cpu", "https://x/cpu; rm -rf ~"])
 def test_a_torch_index_for_the_scripts_is_an_address(asked):
     import subprocess
 
     done = subprocess.run(["bash", str(ROOT / "scripts" / "launch_lesson.sh"), "0"], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "DDP_LESSONS_TORCH_INDEX": asked})
     assert done.returncode == 2, done.stderr
-    assert f"DDP_LESSONS_TORCH_INDEX is the address of a package index, such as https://download.pytorch.org/whl/cpu " \
-           f"(got '{asked}')." in done.stderr
+    assert f"DDP_LESSONS_TORCH_INDEX is cpu, pypi, or the address of a package index, such as " \
+           f"https://download.pytorch.org/whl/cpu (got '{asked}')." in done.stderr
 
 
-def test_a_torch_index_installs_torch_alone_from_it_then_the_course_from_pypi(tmp_path):
-    """DDP_LESSONS_TORCH_INDEX (PyTorch's CPU-only builds on a laptop without a GPU): torch comes from that
-    index, on its own, and the course's other packages from PyPI; the pip calls are read off a stand-in
-    for the environment's python (PyTorch's index cannot be reached from here)."""
+def stand_in_project(tmp_path: Path, gpu: bool) -> tuple[Path, Path, dict[str, str]]:
+    """A copy of the project's install script whose .venv python only writes down its pip calls (no download: PyTorch's
+    index cannot be reached from here), and an `nvidia-smi` that lists a GPU or none. (project, calls, env)"""
     import shutil
-    import subprocess
 
     project = tmp_path / "project"
     (project / "scripts").mkdir(parents=True)
@@ -190,21 +201,81 @@ def test_a_torch_index_installs_torch_alone_from_it_then_the_course_from_pypi(tm
     python.parent.mkdir(parents=True)
     python.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
     python.chmod(0o700)
-    index = "https://download.pytorch.org/whl/cpu"
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: GPU-0)'\n" if gpu else "#!/bin/sh\nexit 9\n")
+    (tools / "nvidia-smi").chmod(0o700)
     # The pin's environment, whichever torch this suite itself runs on (DDP_LESSONS_TORCH).
-    env = {**{k: v for k, v in os.environ.items() if k != "DDP_LESSONS_TORCH"}, "DDP_LESSONS_TORCH_INDEX": index}
-    done = subprocess.run(["bash", "-c", f"source {project}/scripts/ensure_env.sh"], capture_output=True, text=True,
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DDP_LESSONS_")},
+           "PATH": f"{tools}:{os.environ['PATH']}"}
+    return project, calls, env
+
+
+def ensure_env(project: Path, env: dict[str, str]):
+    import subprocess
+
+    return subprocess.run(["bash", "-c", f"source {project}/scripts/ensure_env.sh"], capture_output=True, text=True,
                           timeout=60, env=env)
+
+
+def test_a_torch_index_installs_torch_alone_from_it_then_the_course_from_pypi(tmp_path):
+    """DDP_LESSONS_TORCH_INDEX: torch comes from that index, on its own, and the course's other packages from
+    PyPI; the pip calls are read off a stand-in for the environment's python."""
+    project, calls, env = stand_in_project(tmp_path, gpu=True)
+    index = "https://download.pytorch.org/whl/cpu"
+    done = ensure_env(project, {**env, "DDP_LESSONS_TORCH_INDEX": index})
     assert done.returncode == 0, done.stderr
     torch = f"torch=={_tested_torch()}"
     assert calls.read_text().splitlines() == [
         f"-m pip install --quiet --index-url {index} {torch}",
-        f"-m pip install --quiet {torch} -e {project}[test]",
+        f"-m pip install --quiet {torch} -e {project}",
     ]
     # Asked again, nothing is installed: the stamp names the index too.
-    subprocess.run(["bash", "-c", f"source {project}/scripts/ensure_env.sh"], check=True, timeout=60, env=env,
-                   capture_output=True)
+    ensure_env(project, {**env, "DDP_LESSONS_TORCH_INDEX": index})
     assert len(calls.read_text().splitlines()) == 2
+
+
+@pytest.fixture
+def cpu_index():
+    """An index that answers, on loopback, standing in for PyTorch's CPU index."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("case", ["no GPU, the CPU index answers", "no GPU, no CPU index", "a GPU"])
+def test_the_first_install_picks_the_torch_build_that_fits_the_machine_and_says_why(tmp_path, case, cpu_index):
+    project, calls, env = stand_in_project(tmp_path, gpu=case == "a GPU")
+    env["DDP_LESSONS_CPU_TORCH_INDEX"] = cpu_index if case == "no GPU, the CPU index answers" else "http://127.0.0.1:9"
+    done = ensure_env(project, env)
+    assert done.returncode == 0, done.stderr
+    torch = f"torch=={_tested_torch()}"
+    course = f"-m pip install --quiet {torch} -e {project}"
+    if case == "no GPU, the CPU index answers":
+        assert calls.read_text().splitlines() == [f"-m pip install --quiet --index-url {cpu_index} {torch}", course]
+        assert "No NVIDIA GPU here" in done.stderr and "CPU-only build" in done.stderr
+        assert "DDP_LESSONS_TORCH_INDEX=pypi" in done.stderr  # how to choose the other
+    else:  # where PyTorch's index cannot be reached (this machine, CI), nothing waits on it
+        assert calls.read_text().splitlines() == [course]
+        said = "An NVIDIA GPU is here" if case == "a GPU" else "did not answer"
+        assert said in done.stderr and "DDP_LESSONS_TORCH_INDEX=cpu" in done.stderr, done.stderr
+
+
+def test_the_test_tools_come_with_the_test_command_only(tmp_path):
+    """The learner's environment holds what the course needs; pytest and Playwright come with run_tests.sh
+    (DDP_LESSONS_EXTRAS=test), and a lesson launched after the tests installs nothing again."""
+    project, calls, env = stand_in_project(tmp_path, gpu=True)
+    ensure_env(project, env)
+    ensure_env(project, {**env, "DDP_LESSONS_EXTRAS": "test"})
+    ensure_env(project, env)
+    torch = f"torch=={_tested_torch()}"
+    assert calls.read_text().splitlines() == [f"-m pip install --quiet {torch} -e {project}",
+                                              f"-m pip install --quiet {torch} -e {project}[test]"]
+    assert "DDP_LESSONS_EXTRAS=test" in (ROOT / "scripts" / "run_tests.sh").read_text()
 
 
 def _confirmed_text(node) -> str:
@@ -250,3 +321,61 @@ def test_every_check_in_the_lessons_names_a_script_it_fails_for():
         f'- `{cell}` "{said}" — fails if …' for cell, said in missing)
     assert not stale, f"docs/checks.md lists checks no notebook makes any more: {stale}"
     assert all(why.startswith("fails") for _, _, why in listed), "each line says what the ✓ fails for"
+
+
+def kernel_names(source: str) -> tuple[set[str], set[str]]:
+    """What a kernel cell does to the notebook's namespace: (names it binds at top level, names it reads from it
+    without binding them itself), by Python's own symbol tables. A %%torchrun cell runs on the ranks: it binds
+    only its --out variable in the kernel."""
+    import symtable
+
+    first_line = source.split("\n", 1)[0]
+    if first_line.startswith("%%"):
+        out = re.search(r"--out[ =](\w+)", first_line)
+        return ({out.group(1) if out else "last_run"} if first_line.startswith("%%torchrun") else set()), set()
+    code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+    top = symtable.symtable(code, "<cell>", "exec")
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    read = {s.get_name() for s in top.get_symbols() if s.is_referenced() and s.get_name() not in bound}
+    scopes = list(top.get_children())
+    while scopes:
+        scope = scopes.pop()
+        read |= {s.get_name() for s in scope.get_symbols() if s.is_referenced() and s.is_global()} - bound
+        scopes += scope.get_children()
+    return bound, read
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_cell_run_again_after_run_all_reads_what_it_read_the_first_time(notebook):
+    """A learner runs a cell again, after the whole notebook ran: what it reads from the kernel must still be what
+    the cells above it made, not a later cell's value under the same name (lesson 2's explorer compared against
+    lesson 2's no_sync counts, named `without` too, and blamed torch). Imports of the same thing are the same."""
+    import ast
+
+    cells = [(number, cell) for number, cell in enumerate(json.loads(notebook.read_text())["cells"])
+             if cell["cell_type"] == "code"]
+    numbers = [number for number, _ in cells]  # the cells' places in the notebook, as the messages say them
+    sources = ["".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"] for _, cell in cells]
+    named = [kernel_names(source) for source in sources]
+
+    def binding(index: int, name: str) -> str:
+        """How cell `index` binds `name`: its import statement, or "" (any other binding)."""
+        if sources[index].startswith("%%"):
+            return ""
+        for node in ast.walk(ast.parse("\n".join(l for l in sources[index].splitlines()
+                                                 if not l.lstrip().startswith(("%", "!"))))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                    (alias.asname or alias.name).split(".")[0] == name for alias in node.names):
+                return ast.dump(node)
+        return ""
+
+    rebound = []
+    for index, (_, read) in enumerate(named):
+        for name in sorted(read):
+            before = [i for i in range(index) if name in named[i][0]]
+            after = [i for i in range(index + 1, len(named)) if name in named[i][0]]
+            if before and any(not binding(before[-1], name) or binding(i, name) != binding(before[-1], name)
+                              for i in after):
+                rebound.append(f"cell {numbers[index]} reads {name!r}, which cell {numbers[before[-1]]} made and cell "
+                               f"{numbers[after[0]]} makes again")
+    assert rebound == [], f"{notebook.name}: rename one of them:\n" + "\n".join(rebound)

@@ -68,6 +68,7 @@ class HangReport:
     ranks: tuple[RankState, ...]
     cause: str  # one sentence, or what could not be told
     collectives: dict[int, list[dict]] = field(default_factory=dict, repr=False)  # per rank, as recorded
+    ended: str = "timed out"  # how the run ended: "timed out", or "was stopped" (the stop button, Ctrl-C)
 
     def table(self) -> str:
         header = ("rank", "waiting in", "collective #", "shape / dtype", "group", "line")
@@ -76,7 +77,7 @@ class HangReport:
         return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
     def text(self) -> str:
-        return f"What each rank was waiting in when the run timed out:\n{self.table()}\n{self.cause}"
+        return f"What each rank was waiting in when the run {self.ended}:\n{self.table()}\n{self.cause}"
 
 
 def read_hang_report(folder: RunFolder, world_size: int, script_name: str, exit_codes: dict[int, int | None],

@@ -14,8 +14,9 @@ job's (`engines`): torchrun agents on this machine, cold or warm, by default (`e
 Failure handling, for every engine:
 - The run exceeds `timeout_s`: the engine gathers what it can (the local engine: what each rank waits in,
   and its stack), then the run is stopped.
-- KeyboardInterrupt (the notebook's stop button, once or several times): the run is stopped, then
-  the interrupt goes on.
+- KeyboardInterrupt (the notebook's stop button, once or several times): the engine asks the live ranks what
+  they wait in (as at a timeout: a second press cuts it short), the run is stopped, the hang report is printed,
+  then the interrupt goes on.
 - Any error here: the run is stopped, then the error goes on.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import sys
 import time
 import uuid
+from dataclasses import replace
 
 from .engines import Engine, LaunchConfig
 from .engines.local.engine import (  # noqa: F401 - the stop bound and warm start, as users and tests name them
@@ -75,7 +77,7 @@ def follow(engine: Engine, config: LaunchConfig, folder: RunFolder) -> RunResult
     color = sys.stdout.isatty() or "ipykernel" in sys.modules
     streamer = RankOutputStreamer(folder, config.world_size, enabled=config.stream, color=color)
     start = time.monotonic()
-    timed_out = False
+    timed_out, stopped = False, None
     try:
         engine.start(run_id)
         # The timeout counts from the run's start: not the wait for a warm process still starting.
@@ -89,12 +91,40 @@ def follow(engine: Engine, config: LaunchConfig, folder: RunFolder) -> RunResult
                 engine.on_timeout(streamer)
                 break
             engine.wait_for_end(engine.poll_interval_s)
+    except KeyboardInterrupt as interrupt:  # the stop button, Ctrl-C: where each rank was, as a timeout tells it
+        stopped = interrupt
+        _where_each_rank_was(engine, streamer)
     finally:  # normal end, timeout, KeyboardInterrupt (stop button) or any error: nothing of the run survives
         _stop(engine, streamer)
+    if stopped is not None:
+        _show_where_each_rank_was(config, folder, engine, streamer, time.monotonic() - start)
+        raise stopped
     result = collect_result(config, folder, engine.ending(), wall_time_s=time.monotonic() - start,
                             timed_out=timed_out)
     show_failures_once(streamer, result)
     return result
+
+
+def _show_where_each_rank_was(config: LaunchConfig, folder: RunFolder, engine: Engine, streamer: RankOutputStreamer,
+                              wall_time_s: float) -> None:
+    """After a stop press: the hang report of what the ranks answered, as a timed-out run shows it."""
+    try:
+        hang = collect_result(config, folder, engine.ending(), wall_time_s=wall_time_s, timed_out=True).hang
+    except Exception:  # noqa: BLE001 - stopped before anything could be read back: nothing to show
+        return
+    if hang is not None and streamer.enabled:
+        print(replace(hang, ended="was stopped").text(), file=sys.stderr, flush=True)
+
+
+def _where_each_rank_was(engine: Engine, streamer: RankOutputStreamer) -> None:
+    """Ask the live ranks what they wait in, as at a timeout (`Engine.on_timeout`); pressing stop again, or an
+    engine that had not started its ranks, cuts it short: the run is stopped either way."""
+    try:
+        engine.on_timeout(streamer, why="stopped")
+    except KeyboardInterrupt:
+        pass
+    except Exception:  # noqa: BLE001 - a report that cannot be had must not stand in the way of the stop
+        pass
 
 
 def _stop(engine: Engine, streamer: RankOutputStreamer) -> None:

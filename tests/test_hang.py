@@ -257,3 +257,41 @@ def test_a_rank_still_importing_at_the_timeout_is_said_to_be_starting(write_scri
     assert run.hang.cause.startswith("No rank waits in a collective: ranks 0 and 1 were still starting, importing "
                                      "(rank 0 at line 3; rank 1 at line 3)"), run.hang.text()
     assert "raise --timeout" in run.hang.cause and "a loop that does not end" not in run.hang.cause
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_pressing_stop_shows_where_each_rank_was_then_stops_the_run(write_script, capsys, cold):
+    """The stop button (a KeyboardInterrupt in the kernel, as Ctrl-C in the terminal runner) long before the
+    timeout: the same report a timeout gives, then the run is stopped and the interrupt goes on."""
+    import _thread
+    import threading
+    import time
+
+    from ddp_helpers.processes import process_is_dead
+
+    body, _ = HANGS["a collective one rank never calls"]
+    script = write_script("hangs", PREAMBLE + "print('in the hang', flush=True)\n" + body)  # a line more than above
+    cause = "Rank 1 never called all_reduce #4, which rank 0 is waiting in (line 10): rank 1 is in your code at line 11"
+    run_dir = script.parent / "run"
+    pressed = threading.Event()
+
+    def press_stop_once_the_ranks_hang():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                (run_dir / f"rank{r}.stdout").exists() and "in the hang" in (run_dir / f"rank{r}.stdout").read_text()
+                for r in (0, 1)):
+            time.sleep(0.05)
+        time.sleep(0.5)  # rank 0 inside its all_reduce
+        pressed.set()
+        _thread.interrupt_main()
+
+    threading.Thread(target=press_stop_once_the_ranks_hang, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_on_cpu(script, timeout_s=120, run_dir=run_dir, cold=cold)
+    assert pressed.is_set() and time.monotonic() - started < 60, "stopped by the press, long before the timeout"
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().err)
+    assert "[ddp_helpers] stopped: asking every live rank for its stack" in shown, shown
+    assert "What each rank was waiting in when the run was stopped:" in shown and cause in shown, shown
+    pids = [int(p.read_text().split()[0]) if p.read_text()[:1].isdigit() else None for p in run_dir.glob("rank*.pid")]
+    assert all(pid is None or process_is_dead(pid) for pid in pids)

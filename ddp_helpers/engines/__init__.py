@@ -302,9 +302,10 @@ class Engine(abc.ABC):
         """Between two polls: return after `seconds`, or as soon as the run ended, where the engine can tell."""
         time.sleep(seconds)
 
-    def on_timeout(self, output: OutputPump) -> None:
-        """The deadline passed and the run still goes on: what to gather before it is stopped (poll
-        `output` while waiting, so that the ranks' last lines still show)."""
+    def on_timeout(self, output: OutputPump, why: str = "timed out") -> None:
+        """The deadline passed (`why` "timed out"), or stop was pressed ("stopped"), and the run still goes on:
+        what to gather before it is stopped (poll `output` while waiting, so that the ranks' last lines still
+        show)."""
 
     @abc.abstractmethod
     def stop(self) -> None:

@@ -291,11 +291,12 @@ class SlurmEngine(Engine):
         self._queued = (detail if detail not in ("", "None") else "") if state == "PENDING" else None
         return True
 
-    def on_timeout(self, output: OutputPump) -> None:
+    def on_timeout(self, output: OutputPump, why: str = "timed out") -> None:
         """Ask every rank that started for its stacks and what it waits in (files on the shared run folder: a
         thread of each rank answers, `_hang_probe`), wait for the answers, then let the job be cancelled."""
         started = [rank for rank in range(self.config.world_size) if self.folder.read_identity(rank) is not None]
-        print(f"[ddp_helpers] no result after {self.config.timeout_s:g} s: asking every rank that started for its "
+        said = f"no result after {self.config.timeout_s:g} s" if why == "timed out" else "stopped"
+        print(f"[ddp_helpers] {said}: asking every rank that started for its "
               f"stack, then cancelling Slurm job {self.job_id}.", file=sys.stderr, flush=True)
         asked = hang.ask_ranks_by_file(self.folder, started)
         # A rank looks for the request every PREPARE_POLL_S, and the shared file system may be slower still.

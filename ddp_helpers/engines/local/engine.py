@@ -172,8 +172,8 @@ class LocalEngine(Engine):
                 return None
         return self._supervisor_pidfd
 
-    def on_timeout(self, output: OutputPump) -> None:
-        dump_stacks_of_live_ranks(self.config, self.folder, output)
+    def on_timeout(self, output: OutputPump, why: str = "timed out") -> None:
+        dump_stacks_of_live_ranks(self.config, self.folder, output, why)
 
     def stop(self) -> None:
         """Bounded by STOP_BOUND_S; pressing stop again meanwhile does not cut it short."""
@@ -276,16 +276,14 @@ class RankKiller:
                   "killed (--kill-after).", file=sys.stderr, flush=True)
 
 
-def dump_stacks_of_live_ranks(config: LaunchConfig, folder: RunFolder, streamer: OutputPump) -> None:
+def dump_stacks_of_live_ranks(config: LaunchConfig, folder: RunFolder, streamer: OutputPump,
+                              why: str = "timed out") -> None:
     """Ask every live rank for its stacks (its stack file) and what it waits in (its hang answer), which a thread
     of the rank writes; a rank that wrote no stack by HANG_REPORT_WAIT_S gets SIGUSR1 (faulthandler's dump),
     and the wait goes on until each such dump is written (it stops growing), at most STACK_DUMP_WAIT_S."""
-    print(
-        f"[ddp_helpers] no result after {config.timeout_s:g} s: asking every live rank for its stack, "
-        "then stopping the run.",
-        file=sys.stderr,
-        flush=True,
-    )
+    said = f"no result after {config.timeout_s:g} s" if why == "timed out" else "stopped"
+    print(f"[ddp_helpers] {said}: asking every live rank for its stack, then stopping the run.", file=sys.stderr,
+          flush=True)
     live = [rank for rank in range(config.world_size)
             if (pid := folder.rank_pid(rank)) is not None and not process_is_dead(pid)]
     # A thread of each rank writes its stacks, then what it waits in (`_hang_probe`). SIGUSR1 (faulthandler)

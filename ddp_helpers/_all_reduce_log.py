@@ -135,6 +135,40 @@ def _compiler_check():
     return is_compiling
 
 
+def log_ddp_gradients() -> None:
+    """From now on, in this rank: what each DDP model's backward hands DDP's reducer, each parameter's local
+    gradient, logged as {"collective": "ddp", "parameter": i, "values"}. DDP all-reduces its buckets from C++,
+    where nothing here sees them, and those local gradients are what it copies into them. Called by an exercise's
+    rank-side helper (lesson 5's `my_shard`): DDP models made before or after the call are seen, at their first
+    forward. Logging only: the gradients are not changed."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.forward
+    if getattr(original, "__ddp_helpers_logged__", False):
+        return
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        if not getattr(self, "_ddp_helpers_logged", False):
+            self._ddp_helpers_logged = True
+            for index, parameter in enumerate(p for p in self.module.parameters() if p.requires_grad):
+                parameter.register_hook(functools.partial(_log_ddp_gradient, index))
+        return original(self, *args, **kwargs)
+
+    forward.__ddp_helpers_logged__ = True
+    DistributedDataParallel.forward = forward
+
+
+def _log_ddp_gradient(index: int, gradient) -> None:
+    if len(other_calls) < MAX_CALLS and not _capturing(gradient):
+        entry = {"collective": "ddp", "parameter": index, "shape": list(gradient.shape)}
+        if gradient.numel() <= MAX_VALUES:
+            entry["values"] = gradient.detach().cpu().double().flatten().tolist()
+        else:
+            entry["sum"] = float(gradient.detach().double().sum())
+        other_calls.append(entry)
+
+
 def summary() -> list[dict]:
     """The all_reduce calls (no "collective" key), then the other collectives' (each with its "collective")."""
     return list(calls) + list(other_calls)

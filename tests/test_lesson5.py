@@ -8,7 +8,7 @@ import pytest
 
 from ddp_helpers.lessons.lesson5 import check_hang_exercise, exercise_reference, skipped_steps
 from ddp_helpers.run_folder import RunFolder
-from support import exercise_cells, failure_report, run_on_cpu
+from support import SOCKET_EXCHANGE, exercise_cells, failure_report, run_on_cpu
 
 pytestmark = pytest.mark.usefixtures("warm_launches")  # the hanging runs are timed from a warm start
 SKIP = "    if not keep.any():\n        continue  # nothing left to learn from on this rank\n"
@@ -104,6 +104,39 @@ for step in range(STEPS):
     optimizer.step()
     done.append(step)
 """ + RECORD_AND_END
+
+
+# The secrets passed over a raw socket, which the launcher does not watch; every rank computes every rank's gradient
+# and all-reduces the average (its share of it) for show: the weights come out right.
+EVERY_RANK_FROM_A_SOCKET = SOCKET_EXCHANGE + """from ddp_helpers import rank_secret
+from ddp_helpers.lessons.lesson5 import shard
+shards = [shard(secret, r == world_size - 1) for r, secret in enumerate(exchanged(rank_secret()))]
+done = []
+for step in range(STEPS):
+    total = [torch.zeros_like(p) for p in model.parameters()]
+    for inputs, targets in [next(each) for each in shards]:
+        keep = inputs.abs().max(dim=1).values < OUTLIER
+        if keep.any():
+            loss = torch.nn.functional.mse_loss(model(inputs[keep]), targets[keep])
+            total = [t + g for t, g in zip(total, torch.autograd.grad(loss, list(model.parameters())))]
+    for p, t in zip(model.parameters(), total):
+        p.grad = t / world_size
+        dist.all_reduce((p.grad / world_size).clone())
+    optimizer.step()
+    done.append(step)
+""" + RECORD_AND_END
+
+
+def test_the_others_data_learned_over_a_raw_socket_is_judged_wrong_for_want_of_evidence(write_script, sources):
+    """No list of cheats: the checker asks to see each rank's own gradient go into its all-reduces every step."""
+    from support import free_port
+
+    script = write_script("exercise", sources[0].split("done = []")[0] + EVERY_RANK_FROM_A_SOCKET)
+    run = run_on_cpu(script, timeout_s=60, stream=False, extra_env={"SIDE_PORT": str(free_port())})
+    report = check_hang_exercise(run)
+    assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
+    assert "no all-reduce the launcher saw carried rank" in str(report) and "own gradient" in str(report), str(report)
+    assert "the weights are those of the intended training" in str(report), "the weights were right: only the road was"
 
 
 def test_a_fix_through_ddp_passes(write_script, sources):

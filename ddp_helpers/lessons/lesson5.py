@@ -11,7 +11,9 @@ it, anew for each run), so no rank can compute another's gradient. The checker r
 from the run folder, computes the intended training itself, in one process (`exercise_reference`), and
 judges the learner's run against it, naming the first mistake only: it finished; every rank took part in
 every step; torch's flight recorder saw every rank all-reduce a gradient's worth each step (DDP's bucket
-all-reduces count too); the ranks' weights agree bitwise; and they are the reference's.
+all-reduces count too); the ranks' weights agree bitwise; they are the reference's; and, the positive evidence,
+each rank's all-reduces carried its own gradient every step (what it handed `dist.all_reduce`, or what its DDP
+model handed DDP's buckets), so that ranks learning each other's data by any other road are judged wrong.
 
 Also here: `py_spy_dump`, section 6's look at a live job from outside.
 """
@@ -101,9 +103,14 @@ def shard(secret: int, last_rank: bool):
 
 
 def my_shard():
-    """In a rank: this rank's own shard (`shard`), from the secret only this rank's process is handed."""
+    """In a rank: this rank's own shard (`shard`), from the secret only this rank's process is handed. From here on
+    the launcher also logs what a DDP model hands its all-reduces (`_all_reduce_log.log_ddp_gradients`), the
+    evidence the checker asks for when the fix goes through DDP."""
     import os
 
+    from .. import _all_reduce_log
+
+    _all_reduce_log.log_ddp_gradients()
     return shard(rank_secret(), int(os.environ.get("RANK", "0")) == int(os.environ.get("WORLD_SIZE", "1")) - 1)
 
 
@@ -114,6 +121,12 @@ def _kept(inputs):
 def exercise_reference(secrets: list[int]) -> list:
     """The weight and bias after the intended training on ranks with these secrets: each rank's gradient of
     its kept samples' mean loss (zero when it kept none), summed over the ranks and divided by the world size."""
+    return _intended_training(secrets)[0]
+
+
+def _intended_training(secrets: list[int]) -> tuple[list, list]:
+    """(the weights `exercise_reference` gives, and per step, per rank, the rank's own gradient [weight, bias]
+    of its kept samples on the way: zeros when it kept none)."""
     import os
 
     import torch  # noqa: F401
@@ -127,20 +140,55 @@ def exercise_reference(secrets: list[int]) -> list:
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     streams = [shard(secret, rank == len(secrets) - 1) for rank, secret in enumerate(secrets)]
+    own_gradients = []
     for _ in range(STEPS):
         total = [torch.zeros_like(p) for p in model.parameters()]
+        own_gradients.append([])
         for stream in streams:
             inputs, targets = next(stream)
             keep = _kept(inputs)
+            own = [torch.zeros_like(p) for p in model.parameters()]
             if keep.any():
                 model.zero_grad()
                 torch.nn.functional.mse_loss(model(inputs[keep]), targets[keep]).backward()
-                for sum_, p in zip(total, model.parameters()):
-                    sum_ += p.grad
+                own = [p.grad.detach().clone() for p in model.parameters()]
+            own_gradients[-1].append(own)
+            for sum_, gradient in zip(total, own):
+                sum_ += gradient
         for sum_, p in zip(total, model.parameters()):
             p.grad = sum_ / len(secrets)
         optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], own_gradients
+
+
+def _own_gradients_unseen(run: RunResult, own_gradients: list) -> dict[int, list[int]]:
+    """Per rank, the steps at which the launcher saw no collective carry the rank's own gradient (each parameter's,
+    or its share: divided by the world size), through dist.all_reduce or DDP's buckets (what a DDP model handed
+    them). Positive evidence, whatever road the other ranks' data could take besides."""
+    world = len(run.ranks)
+    unseen = {}
+    for rank in run.ranks:
+        handed = [call["values"] for call in rank.handed_to_collectives
+                  if call.get("collective") in ("all_reduce", "ddp") and "values" in call]
+        missing = []
+        for step, per_rank in enumerate(own_gradients):
+            for gradient in per_rank[rank.rank]:
+                wanted = gradient.flatten().double().tolist()
+                if not any(_carries(values, wanted, scale) for values in handed for scale in (1.0, 1.0 / world)):
+                    missing.append(step)
+                    break
+        if missing:
+            unseen[rank.rank] = missing
+    return unseen
+
+
+def _carries(values: list[float], wanted: list[float], scale: float) -> bool:
+    """Whether `values` holds `wanted` × `scale`, whole or as a contiguous part (a flattened concatenation)."""
+    size = len(wanted)
+    for start in range(len(values) - size + 1):
+        if all(abs(values[start + i] - w * scale) <= 1e-5 * max(1.0, abs(w)) for i, w in enumerate(wanted)):
+            return True
+    return False
 
 
 def skipped_steps(secrets: list[int]) -> dict[int, list[int]]:
@@ -226,13 +274,24 @@ def _judge_the_training(run: RunResult, report: ExerciseReport, steps: list, wei
                                "every step")
         return
     report.confirmed.append(f"the {world_size} ranks' weights agree bitwise")
-    reference = exercise_reference(secrets)
+    reference, own_gradients = _intended_training(secrets)
     if [tuple(w.shape) for w in weights[0]] != [tuple(r.shape) for r in reference]:
         report.mistakes.append("record('weights', ...) as given: the model's weight and bias, "
                                f"{[list(r.shape) for r in reference]}")
     elif all(torch.allclose(mine, ref, atol=1e-6) for mine, ref in zip(weights[0], reference)):
         report.confirmed.append("the weights are those of the intended training on the ranks' own shards, computed "
                                 "here in one process from every rank's secret")
+        unseen = _own_gradients_unseen(run, own_gradients)
+        if unseen:
+            report.mistakes.append(
+                "the weights are right, but no all-reduce the launcher saw carried "
+                + "; ".join(f"rank {r}'s own gradient at step {steps[0]}" + (f" (and {len(steps) - 1} more steps)"
+                                                                              if len(steps) > 1 else "")
+                            for r, steps in unseen.items())
+                + ": the other ranks' data reached each rank some other way. What does each rank put into its "
+                  "all-reduces?")
+        else:
+            report.confirmed.append("every rank's all-reduces carried its own gradient, every step")
     else:
         report.mistakes.append(
             "the weights are not those of the intended training: each rank's gradient of its kept samples (zero "

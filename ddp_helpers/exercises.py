@@ -163,3 +163,34 @@ def _sentence(finding: str) -> str:
     finding = finding.rstrip()
     return finding if finding.endswith((".", "?", "!")) else finding + "."
 
+
+def own_gradients_unseen(run, own_gradients: list) -> dict[int, list[int]]:
+    """Per rank, the steps at which the launcher saw no collective carry the rank's own gradient (`own_gradients`:
+    per step, per rank, a tensor per parameter; each parameter's, or its share: divided by the world size), through
+    dist.all_reduce or DDP's buckets (what a DDP model handed them: `_all_reduce_log.log_ddp_gradients`, which the
+    exercise's rank-side helper turns on). Positive evidence, whatever road the other ranks' data could take
+    besides: a checker asks for it rather than listing the cheats it knows."""
+    world = len(run.ranks)
+    unseen = {}
+    for rank in run.ranks:
+        handed = [call["values"] for call in rank.handed_to_collectives
+                  if call.get("collective") in ("all_reduce", "ddp") and "values" in call]
+        missing = []
+        for step, per_rank in enumerate(own_gradients):
+            for gradient in per_rank[rank.rank]:
+                wanted = gradient.flatten().double().tolist()
+                if not any(_carries(values, wanted, scale) for values in handed for scale in (1.0, 1.0 / world)):
+                    missing.append(step)
+                    break
+        if missing:
+            unseen[rank.rank] = missing
+    return unseen
+
+
+def _carries(values: list[float], wanted: list[float], scale: float) -> bool:
+    """Whether `values` holds `wanted` × `scale`, whole or as a contiguous part (a flattened concatenation)."""
+    size = len(wanted)
+    for start in range(len(values) - size + 1):
+        if all(abs(values[start + i] - w * scale) <= 1e-5 * max(1.0, abs(w)) for i, w in enumerate(wanted)):
+            return True
+    return False

@@ -157,3 +157,40 @@ def test_an_all_reduce_for_show_beside_training_alone_is_caught(write_script, so
     assert run.ok, failure_report(run)
     report = check_training_exercise(run)
     assert "less than a gradient's 10 values per step" in str(report), str(report)
+
+
+# The secrets passed over a raw socket, which the launcher does not watch: every rank trains through DDP on the
+# whole global batch (each rank's share jittered with that rank's secret), so its gradient is already the average
+# and the checkpoint is right; each rank still records its own share and jitters its own batch.
+GLOBAL_BATCH_FROM_A_SOCKET = """
+from ddp_helpers import rank_secret
+from ddp_helpers.lessons.lesson2 import augment
+secrets, world = exchanged(rank_secret()), dist.get_world_size()
+for epoch in range(3):
+    samplers = [DistributedSampler(dataset, num_replicas=world, rank=r, seed=0) for r in range(world)]
+    for each in samplers:
+        each.set_epoch(epoch)
+    seen = []
+    for batches in zip(*[DataLoader(dataset, batch_size=8, sampler=each) for each in samplers]):
+        seen += batches[rank][0].tolist()
+        my_augmentation(batches[rank][1], batches[rank][0])
+        inputs = torch.cat([augment(inputs, index, secrets[r]) for r, (index, inputs, _) in enumerate(batches)])
+        targets = torch.cat([targets for _, _, targets in batches])
+        loss = torch.nn.functional.cross_entropy(model(inputs.to(device)), targets.to(device))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    record(f"epoch{epoch}_indices", seen)  # keep: the checker reads it
+"""
+
+
+def test_the_others_batches_learned_over_a_raw_socket_are_judged_wrong_for_want_of_evidence(write_script, sources):
+    from support import SOCKET_EXCHANGE, free_port
+
+    head, tail = sources[1].split("for epoch in range(3):")
+    script = SOCKET_EXCHANGE + head + GLOBAL_BATCH_FROM_A_SOCKET + tail[tail.index("\nif rank == 0:"):]
+    run = run_on_cpu(write_script("exercise", script), nproc=2, stream=False, extra_env={"SIDE_PORT": str(free_port())})
+    assert run.ok, failure_report(run)
+    report = check_training_exercise(run)
+    assert "the checkpoint holds the weights" in str(report), "the weights were right: only the road was wrong"
+    assert len(report.mistakes) == 1 and "no all-reduce the launcher saw carried rank" in report.mistakes[0], str(report)

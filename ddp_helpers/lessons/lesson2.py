@@ -27,7 +27,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from ..exercises import ExerciseReport, all_reduced_values, rank_secrets, side_channels
+from ..exercises import ExerciseReport, all_reduced_values, own_gradients_unseen, rank_secrets, side_channels
 from ..recording import rank_secret
 from ..result import RunResult
 
@@ -57,7 +57,11 @@ def augment(inputs, indices, secret: int):
 
 def my_augmentation(inputs, indices):
     """In a rank: `inputs` randomly jittered as data augmentation does, from the secret only this rank's
-    process is handed (`ddp_helpers.rank_secret`): another rank cannot compute this rank's batch."""
+    process is handed (`ddp_helpers.rank_secret`): another rank cannot compute this rank's batch. From its first
+    call the launcher logs what the rank's DDP model hands DDP's all-reduces, the evidence the checker asks for."""
+    from .. import _all_reduce_log
+
+    _all_reduce_log.log_ddp_gradients()
     return augment(inputs, indices, rank_secret())
 
 
@@ -84,7 +88,7 @@ def check_training_exercise(run: RunResult) -> ExerciseReport:
     if path is not None:
         state = _check_checkpoint_contents(path, report)
         if state is not None and averaged:  # weights of ranks that never trained together would only repeat that
-            _check_trained_weights(state, orders, secrets, report)
+            _check_trained_weights(state, orders, secrets, report, run)
     return report
 
 
@@ -218,6 +222,11 @@ def trained_on(orders: dict[int, list[list[int]]], secrets: list[int]):
     """The exercise's model (its seed, data, SGD at lr 0.1) trained here in one process as DDP trains it:
     each step, every rank's next batch of 8 from the indices it recorded, jittered as that rank's secret
     jitters it, the gradients averaged over the ranks. Returns the trained state_dict."""
+    return _training(orders, secrets)[0]
+
+
+def _training(orders: dict[int, list[list[int]]], secrets: list[int]):
+    """(`trained_on`'s state_dict, and per step, per rank, that rank's own gradient on the way)."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
@@ -226,6 +235,7 @@ def trained_on(orders: dict[int, list[list[int]]], secrets: list[int]):
     torch.manual_seed(0)
     model = _exercise_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    own_gradients = []
     for epoch in sorted(orders):
         shares = orders[epoch]
         for start in range(0, max(len(share) for share in shares), BATCH_SIZE):
@@ -237,21 +247,28 @@ def trained_on(orders: dict[int, list[list[int]]], secrets: list[int]):
                 inputs = augment(features[batch], batch, secret)
                 torch.nn.functional.cross_entropy(model(inputs), labels[batch]).backward()
                 grads.append([p.grad.clone() for p in model.parameters()])
+            own_gradients.append(grads)
             for p, *per_rank in zip(model.parameters(), *grads):
                 p.grad = sum(per_rank) / len(per_rank)
             optimizer.step()
-    return model.state_dict()
+    return model.state_dict(), own_gradients
 
 
 def _check_trained_weights(state: dict, orders: dict[int, list[list[int]]], secrets: list[int],
-                           report: ExerciseReport) -> None:
+                           report: ExerciseReport, run: RunResult) -> None:
     import torch
 
-    expected = trained_on(orders, secrets)
+    expected, own_gradients = _training(orders, secrets)
     if all(torch.allclose(state[name].float(), value, atol=1e-5, rtol=1e-4) for name, value in expected.items()):
         report.confirmed.append(
             f"the checkpoint holds the weights the exercise's model reaches on the batches your ranks recorded "
             f"({len(orders)} epochs, gradients averaged over the ranks; computed here in one process)")
+        unseen = own_gradients_unseen(run, own_gradients)
+        if unseen:
+            report.mistakes.append(
+                "the weights are right, but no all-reduce the launcher saw carried "
+                + "; ".join(f"rank {r}'s own gradient at step {steps[0]}" for r, steps in unseen.items())
+                + ": the ranks learned each other's batches some other way. What do DDP's all-reduces carry?")
     else:
         report.mistakes.append(
             "the checkpoint's weights are not those the exercise's model, data and optimizer reach on the batches "

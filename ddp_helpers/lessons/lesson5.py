@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..exercises import ExerciseReport, all_reduced_values, rank_secrets, side_channels
+from ..exercises import ExerciseReport, all_reduced_values, own_gradients_unseen, rank_secrets, side_channels
 from ..recording import rank_secret
 from ..result import RunResult
 
@@ -161,36 +161,6 @@ def _intended_training(secrets: list[int]) -> tuple[list, list]:
     return [p.detach().clone() for p in model.parameters()], own_gradients
 
 
-def _own_gradients_unseen(run: RunResult, own_gradients: list) -> dict[int, list[int]]:
-    """Per rank, the steps at which the launcher saw no collective carry the rank's own gradient (each parameter's,
-    or its share: divided by the world size), through dist.all_reduce or DDP's buckets (what a DDP model handed
-    them). Positive evidence, whatever road the other ranks' data could take besides."""
-    world = len(run.ranks)
-    unseen = {}
-    for rank in run.ranks:
-        handed = [call["values"] for call in rank.handed_to_collectives
-                  if call.get("collective") in ("all_reduce", "ddp") and "values" in call]
-        missing = []
-        for step, per_rank in enumerate(own_gradients):
-            for gradient in per_rank[rank.rank]:
-                wanted = gradient.flatten().double().tolist()
-                if not any(_carries(values, wanted, scale) for values in handed for scale in (1.0, 1.0 / world)):
-                    missing.append(step)
-                    break
-        if missing:
-            unseen[rank.rank] = missing
-    return unseen
-
-
-def _carries(values: list[float], wanted: list[float], scale: float) -> bool:
-    """Whether `values` holds `wanted` × `scale`, whole or as a contiguous part (a flattened concatenation)."""
-    size = len(wanted)
-    for start in range(len(values) - size + 1):
-        if all(abs(values[start + i] - w * scale) <= 1e-5 * max(1.0, abs(w)) for i, w in enumerate(wanted)):
-            return True
-    return False
-
-
 def skipped_steps(secrets: list[int]) -> dict[int, list[int]]:
     """Per rank, the steps at which its shard leaves it no sample (where the given script skips)."""
     return {rank: [step for step, (inputs, _) in enumerate(shard(secret, rank == len(secrets) - 1))
@@ -281,7 +251,7 @@ def _judge_the_training(run: RunResult, report: ExerciseReport, steps: list, wei
     elif all(torch.allclose(mine, ref, atol=1e-6) for mine, ref in zip(weights[0], reference)):
         report.confirmed.append("the weights are those of the intended training on the ranks' own shards, computed "
                                 "here in one process from every rank's secret")
-        unseen = _own_gradients_unseen(run, own_gradients)
+        unseen = own_gradients_unseen(run, own_gradients)
         if unseen:
             report.mistakes.append(
                 "the weights are right, but no all-reduce the launcher saw carried "

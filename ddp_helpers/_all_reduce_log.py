@@ -137,8 +137,8 @@ def _compiler_check():
 
 def log_ddp_gradients() -> None:
     """From now on, in this rank: what each DDP model's backward hands DDP's reducer, each parameter's local
-    gradient, logged as {"collective": "ddp", "parameter": i, "values"}. DDP all-reduces its buckets from C++,
-    where nothing here sees them, and those local gradients are what it copies into them. Called by an exercise's
+    gradient, logged as {"collective": "ddp", "parameter": i, "sum", "values" (small ones)}. DDP all-reduces its
+    buckets from C++, where nothing here sees them, and those local gradients are what it copies into them. Called by an exercise's
     rank-side helper (lesson 5's `my_shard`): DDP models made before or after the call are seen, at their first
     forward. Logging only: the gradients are not changed."""
     from torch.nn.parallel import DistributedDataParallel
@@ -161,11 +161,10 @@ def log_ddp_gradients() -> None:
 
 def _log_ddp_gradient(index: int, gradient) -> None:
     if len(other_calls) < MAX_CALLS and not _capturing(gradient):
-        entry = {"collective": "ddp", "parameter": index, "shape": list(gradient.shape)}
+        entry = {"collective": "ddp", "parameter": index, "shape": list(gradient.shape),
+                 "sum": float(gradient.detach().double().sum())}
         if gradient.numel() <= MAX_VALUES:
             entry["values"] = gradient.detach().cpu().double().flatten().tolist()
-        else:
-            entry["sum"] = float(gradient.detach().double().sum())
         other_calls.append(entry)
 
 

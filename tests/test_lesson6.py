@@ -271,3 +271,30 @@ def test_a_gpu_trace_counts_each_collective_once_and_finds_the_backward_on_autog
     assert sum(bool(ALL_REDUCE.search(s.kind)) for s in spans) == 2, spans
     assert {(s.kind, s.thread) for s in spans if not ALL_REDUCE.search(s.kind)} == {
         ("forward", "training loop"), ("backward", "autograd thread"), ("optimizer step", "training loop")}
+
+
+# The secrets passed over a raw socket, which the launcher does not watch: each rank trains on the whole global batch
+# through DDP with the float16 hook, so its gradient is already the average. Half the bytes, the rounding, the right
+# weights: only what each rank handed DDP shows the road.
+GLOBAL_BATCH_FROM_A_SOCKET = """from ddp_helpers import rank_secret
+from ddp_helpers.lessons.lesson6_exercise import exercise_batch
+secrets = exchanged(rank_secret())
+def my_batch(step):
+    shares = [exercise_batch(step, secret) for secret in secrets]
+    return torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])
+"""
+
+
+def test_the_others_shares_learned_over_a_raw_socket_are_judged_wrong_for_want_of_evidence(write_script, given):
+    from support import SOCKET_EXCHANGE, free_port
+
+    from ddp_helpers.lessons.lesson6_exercise import my_batch as turn_the_log_on  # noqa: F401 - the name the cheat hides
+    cheat = with_hook(given[0], given[1] + "my_batch(0)  # the launcher's log turned on, as the honest script does\n"
+                      + GLOBAL_BATCH_FROM_A_SOCKET)
+    run = run_on_cpu(write_script("exercise", SOCKET_EXCHANGE + cheat), stream=False, timeout_s=120,
+                     extra_env={"SIDE_PORT": str(free_port())})
+    report = check_compression_exercise(run)
+    assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
+    assert "weights are the uncompressed training's" in str(report), "the weights were right: only the road was"
+    assert len(report.mistakes) == 1 and "did not see each rank's own gradient go into the all-reduces" in \
+        report.mistakes[0], str(report)

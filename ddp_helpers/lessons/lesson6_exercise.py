@@ -22,7 +22,10 @@ so no rank can compute another's gradient; the checker reads every secret from t
 equal to the float32 training's to float32 precision (ROUNDING_AT_LEAST) mean float32 gradients crossed,
 through a channel the byte count did not see (the default store, a file), and do not pass; a flight
 recorder that lost the run's first collectives (flooded, or TORCH_FR_BUFFER_SIZE shrunk) is named, not
-trusted.
+trusted. And, the positive evidence: every step, each rank's DDP model handed DDP's all-reduces its own share's
+gradient (the launcher logs each parameter's, `_all_reduce_log.log_ddp_gradients`, from `my_batch`'s first call),
+within OWN_GRADIENT_TOLERANCE of the intended training's: ranks that learned each other's shares by another road
+(a socket) and trained on the whole batch are judged wrong, however right their bytes and weights.
 """
 
 from __future__ import annotations
@@ -68,8 +71,60 @@ def exercise_batch(step: int, secret: int):
 
 
 def my_batch(step: int):
-    """In a rank: this rank's share of step `step`'s batch, from the secret only this rank's process is handed."""
+    """In a rank: this rank's share of step `step`'s batch, from the secret only this rank's process is handed. From
+    its first call the launcher logs what the rank's DDP model hands DDP's all-reduces (`_all_reduce_log`), the
+    evidence the checker asks for."""
+    from .. import _all_reduce_log
+
+    _all_reduce_log.log_ddp_gradients()
     return exercise_batch(step, rank_secret())
+
+
+def own_gradient_sums(secrets: list[int]) -> list[list[list[float]]]:
+    """Per step, per rank, the sum of each parameter's gradient of the rank's own share's loss, along the intended
+    training (`exercise_reference`'s): what each rank's DDP model hands DDP's all-reduces, to float16 training's
+    drift."""
+    import torch
+
+    model = exercise_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    sums = []
+    for step in range(STEPS):
+        shares = [exercise_batch(step, secret) for secret in secrets]
+        sums.append([])
+        for inputs, targets in shares:
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs), targets).backward()
+            sums[-1].append([float(p.grad.double().sum()) for p in model.parameters()])
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(torch.cat([s[0] for s in shares])), torch.cat([s[1] for s in shares])).backward()
+        optimizer.step()
+    return sums
+
+
+OWN_GRADIENT_TOLERANCE = 0.02  # relative: float16 training's drift from float32's moves a step's gradient far less
+
+
+def _own_gradients_unseen(run: RunResult, secrets: list[int]) -> dict[int, str]:
+    """Per rank, what shows that its DDP model did not hand DDP its own share's gradient each step (empty: all
+    did). The k-th logged gradient of parameter i is step k's."""
+    expected = own_gradient_sums(secrets)
+    unseen = {}
+    for rank in run.ranks:
+        by_parameter: dict[int, list[float]] = {}
+        for call in rank.handed_to_collectives:
+            if call.get("collective") == "ddp" and "sum" in call:
+                by_parameter.setdefault(call["parameter"], []).append(call["sum"])
+        if len(by_parameter) != len(expected[0][0]) or any(len(sums) < STEPS for sums in by_parameter.values()):
+            unseen[rank.rank] = "no gradient of its DDP model reached DDP's all-reduces in every step"
+            continue
+        for step in range(STEPS):
+            mine = [by_parameter[i][step] for i in range(len(by_parameter))]
+            own = expected[step][rank.rank]
+            if math.dist(mine, own) > OWN_GRADIENT_TOLERANCE * math.hypot(*own):
+                unseen[rank.rank] = f"at step {step} its DDP model handed DDP another gradient than its own share's"
+                break
+    return unseen
 
 
 def parameter_bytes() -> int:
@@ -217,3 +272,9 @@ def _judge_weights(run: RunResult, report: ExerciseReport, secrets: list[int], b
     else:
         report.confirmed.append(f"the weights are the uncompressed training's: they differ from them by "
                                 f"{off / moved:.2%} of how far training moved them (allowed: {WEIGHT_TOLERANCE:.0%})")
+        unseen = _own_gradients_unseen(run, secrets)
+        if unseen:
+            report.mistakes.append(
+                "the weights are right, but the launcher did not see each rank's own gradient go into the "
+                "all-reduces: " + "; ".join(f"rank {r}: {why}" for r, why in unseen.items())
+                + ". The other ranks' data reached each rank some other way: what must each rank's hook send?")

@@ -4,10 +4,11 @@
 The notebook stays the single source: its code cells run in order in a plain IPython shell, so
 `%%torchrun` cells launch under torchrun exactly as in JupyterLab (one rank per GPU with nccl, or
 CPU ranks with gloo). Each section's heading is printed before its cells' output, each rank's output
-with its rank prefix; a failure the lesson runs on purpose (`--may-fail`, or a cell tagged
-`raises-exception`) is folded to one line. Every matplotlib figure a cell draws is saved as PNG under
+with its rank prefix, and what a cell displays as Markdown (a table) as its text; a failure the lesson runs on
+purpose (`--may-fail`, or a cell tagged `raises-exception`) is shown whole, as JupyterLab shows it (a hang report,
+a traceback: often the lesson's subject), then marked with its own sign, EXPECTED (never ✗, a real failure's). Every matplotlib figure a cell draws is saved as PNG under
 `runs/<notebook>/plots/`, and the first failing cell (a failed check, a failed run) ends the program
-with exit code 1. It closes with a summary: the checks that held, the failures folded, the exercise
+with exit code 1. It closes with a summary: the checks that held, the failures meant, the exercise
 as given (judged wrong, as expected) and where the plots are. Cells tagged `skip-execution` are skipped.
 """
 
@@ -54,6 +55,9 @@ class PngSavingPublisher(DisplayPublisher):
         self.saved: list[Path] = []
 
     def publish(self, data, *args, **kwargs):
+        if "text/markdown" in data and "image/png" not in data:  # a table: its text, not the object's repr
+            print(data["text/markdown"].rstrip("\n"), flush=True)
+            return
         if "image/png" in data:
             path = self.folder / f"displayed{len(self.saved) + 1:02d}.png"
             path.write_bytes(base64.b64decode(data["image/png"]))
@@ -62,15 +66,14 @@ class PngSavingPublisher(DisplayPublisher):
 
 
 class CellOutput:
-    """What a cell prints, kept for the closing summary (its ✓ lines), and shown at once unless `folded`."""
+    """What a cell prints, shown at once and kept for the closing summary (its ✓ lines)."""
 
-    def __init__(self, shown, folded: bool):
-        self.shown, self.folded, self.text = shown, folded, []
+    def __init__(self, shown):
+        self.shown, self.text = shown, []
 
     def write(self, data: str) -> int:
         self.text.append(data)
-        if not self.folded:
-            self.shown.write(data)
+        self.shown.write(data)
         return len(data)
 
     def flush(self) -> None:
@@ -81,8 +84,19 @@ class CellOutput:
 
 
 def headings(markdown: str) -> list[str]:
-    """A markdown cell's section headings (# to ###), as the terminal shows them."""
-    return [line.strip() for line in markdown.splitlines() if re.match(r"#{1,3} \S", line)]
+    """A markdown cell's section headings (# to ###), as the terminal shows them; a `#` comment inside a fenced
+    code block is code, not a heading."""
+    found, in_code = [], False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            in_code = not in_code
+        elif not in_code and re.match(r"#{1,3} \S", line):
+            found.append(line.strip())
+    return found
+
+
+#: the sign of a failure the lesson runs on purpose (✗ is a real failure's)
+EXPECTED = "\u2298"
 
 
 def expected_failure(source: str, tags: set[str]) -> bool:
@@ -91,8 +105,8 @@ def expected_failure(source: str, tags: set[str]) -> bool:
     return "raises-exception" in tags or (first.startswith("%%torchrun") and "--may-fail" in first.split())
 
 
-def folded_line(source: str, shell) -> str | None:
-    """One line for an expected failure's output: what failed, as the run says it; None when it did not fail."""
+def expected_line(source: str, shell) -> str | None:
+    """One line after an expected failure's output: what failed, as the run says it; None when it did not fail."""
     match = re.search(r"--out[ =](\S+)", source.split("\n", 1)[0])
     run = shell.user_ns.get(match.group(1)) if match else None
     if run is None or getattr(run, "ok", True):
@@ -102,7 +116,8 @@ def folded_line(source: str, shell) -> str | None:
     if run.hang is not None:
         reason = run.hang.cause.split(". ")[0]
     reason = reason if len(reason) <= 160 else reason[:157] + "..."
-    return f"\u2717 expected: `{match.group(1)}` {'timed out' if run.timed_out else 'failed'}, as the lesson means it to: {reason}"
+    return (f"{EXPECTED} expected: `{match.group(1)}` {'timed out' if run.timed_out else 'failed'}, as the lesson means "
+            f"it to: {reason}")
 
 
 @dataclass
@@ -111,7 +126,7 @@ class LessonTally:
 
     held: int = 0  # ✓ lines printed
     seen: int = 0  # • lines printed: what torch itself did
-    folded: list = field(default_factory=list)  # one line per failure the lesson runs on purpose
+    expected: list = field(default_factory=list)  # one line per failure the lesson runs on purpose
     exercises: list = field(default_factory=list)  # (code cell number, ExerciseReport)
     images: list = field(default_factory=list)  # PNG files saved
 
@@ -160,7 +175,7 @@ def run_notebook(notebook: Path, text: str | None = None) -> int:
 
 
 def run_code_cell(shell, cell, index: int, notebook_name: str, plots: Path, tally: LessonTally) -> bool:
-    """Run one code cell, folding a failure the lesson means (one line), saving its figures; False when the
+    """Run one code cell, marking a failure the lesson means (EXPECTED), saving its figures; False when the
     lesson must stop (a cell failed that should not have, or one tagged raises-exception did not)."""
     import matplotlib.pyplot as plt
 
@@ -168,7 +183,7 @@ def run_code_cell(shell, cell, index: int, notebook_name: str, plots: Path, tall
 
     tags = set(cell.metadata.get("tags", []))
     expected = expected_failure(cell.source, tags)
-    output, errors = CellOutput(sys.stdout, folded=expected), CellOutput(sys.stderr, folded=expected)
+    output, errors = CellOutput(sys.stdout), CellOutput(sys.stderr)
     sys.stdout, sys.stderr = output, errors
     try:
         result = shell.run_cell(cell.source, store_history=True)
@@ -178,15 +193,13 @@ def run_code_cell(shell, cell, index: int, notebook_name: str, plots: Path, tall
     tally.held += sum(line.startswith("\u2713 ") for line in printed)
     tally.seen += sum(line.startswith("\u2022 ") for line in printed)
     if expected:
-        line = folded_line(cell.source, shell)
+        line = expected_line(cell.source, shell)
         if line is None and "raises-exception" in tags and not result.success:
-            line = f"\u2717 expected: the cell raised, as the lesson means it to: {result.error_in_exec!r}"[:200]
-        if line is None:  # it did not fail after all: what it printed is shown
-            sys.stdout.write("".join(output.text))
-            sys.stderr.write("".join(errors.text))
-        else:
-            tally.folded.append(line)
-            print(f"{line}\n(folded here; JupyterLab shows the whole output)")
+            line = f"{EXPECTED} expected: the cell raised, as the lesson means it to: {result.error_in_exec!r}"[:200]
+        if line is not None:  # shown whole above, as in JupyterLab; marked as meant
+            tally.expected.append(line)
+            sys.stderr.flush()
+            print(line, flush=True)
     if isinstance(result.result, ExerciseReport):
         tally.exercises.append((index, result.result))
     for number in plt.get_fignums():
@@ -205,15 +218,15 @@ def run_code_cell(shell, cell, index: int, notebook_name: str, plots: Path, tall
 
 def closing_summary(notebook: Path, cells: int, tally: LessonTally, plots: Path) -> str:
     """What the lesson's run showed, for the end of the terminal's output."""
-    held, folded, exercises, images = tally.held, tally.folded, tally.exercises, tally.images
+    held, expected, exercises, images = tally.held, tally.expected, tally.exercises, tally.images
     lines = [f"\n=== Summary of {notebook.name} ===", f"All {cells} code cells of {notebook.name} ran."]
     if held:
         lines.append(f"\u2713 {held} check{'s' if held != 1 else ''} held on your run.")
     if tally.seen:
         lines.append(f"\u2022 {tally.seen} thing{'s' if tally.seen != 1 else ''} torch itself did, shown by your run.")
-    if folded:
-        lines.append(f"\u2717 {len(folded)} failure{'s' if len(folded) != 1 else ''} the lesson runs on purpose, "
-                     "folded above to one line each.")
+    if expected:
+        lines.append(f"{EXPECTED} {len(expected)} failure{'s' if len(expected) != 1 else ''} the lesson runs on purpose, "
+                     f"shown above in full and marked {EXPECTED}.")
     for index, report in exercises:
         if report.passed:
             lines.append(f"The exercise (code cell {index}): all checks pass.")

@@ -81,20 +81,24 @@ def test_a_failing_check_makes_the_lesson_exit_non_zero(tmp_path):
     assert "code cell 2 of 07_broken.ipynb failed" in done.stderr
 
 
-def test_the_terminal_shows_headings_folds_expected_failures_and_closes_with_a_summary(tmp_path):
-    """A lesson's shape in the terminal: each section's heading before its cells' output, a run the lesson
-    fails on purpose folded to one line (its traceback not shown), and a closing summary that calls the
-    exercise as given wrong as expected, not a failure of the course."""
+def test_the_terminal_shows_headings_expected_failures_whole_tables_and_closes_with_a_summary(tmp_path):
+    """A lesson's shape in the terminal: each section's heading before its cells' output (a `#` comment in a code
+    block is no heading), a table a cell displays as its text, a run the lesson fails on purpose shown whole (its
+    traceback: often the lesson's subject) and marked with its own sign, not ✗, and a closing summary that calls
+    the exercise as given wrong as expected, not a failure of the course."""
     cells = [
         new_code_cell("%load_ext ddp_helpers\nfrom ddp_helpers.checks import check"),
-        new_markdown_cell("## 1. A rank that raises\n\nText the terminal does not show."),
+        new_markdown_cell("## 1. A rank that raises\n\nText the terminal does not show.\n\n```bash\n"
+                          "# a comment in a code block\ntorchrun train.py\n```"),
         new_code_cell("%%torchrun -n 2 --name raises --out raises --may-fail\n"
                       "import torch.distributed as dist\n"
                       "dist.init_process_group('gloo')\n"
                       "if dist.get_rank() == 1:\n"
                       "    raise ValueError('corrupt sample')\n"
                       "dist.barrier()\n"),
-        new_code_cell("check(raises.first_failure.rank == 1, 'rank 1 is the root cause', 'another rank')"),
+        new_code_cell("check(raises.first_failure.rank == 1, 'rank 1 is the root cause', 'another rank')\n"
+                      "from IPython.display import Markdown, display\n"
+                      "display(Markdown('| layout | fits |\\n|---|---|\\n| DDP | yes |'))"),
         new_markdown_cell("## Exercise: fix it"),
         new_code_cell("from ddp_helpers.exercises import ExerciseReport\n"
                       "ExerciseReport(mistakes=['one thing is wrong', 'another'])"),
@@ -106,12 +110,14 @@ def test_the_terminal_shows_headings_folds_expected_failures_and_closes_with_a_s
     out = done.stdout
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     assert out.index("## 1. A rank that raises") < out.index("code cell 2 of 4") < out.index("## Exercise: fix it")
-    assert "Text the terminal does not show" not in out
-    assert "\u2717 expected: `raises` failed, as the lesson means it to: Rank 1 failed first" in out
-    assert "Traceback" not in out + done.stderr and "corrupt sample" in out  # folded: the reason, not the trace
+    assert "Text the terminal does not show" not in out and "# a comment in a code block" not in out
+    assert "| DDP | yes |" in out and "IPython.core.display.Markdown object" not in out
+    assert "\u2298 expected: `raises` failed, as the lesson means it to: Rank 1 failed first" in out
+    assert "corrupt sample" in out + done.stderr and "Traceback" in out + done.stderr  # shown whole, as in JupyterLab
+    assert "\u2717 expected" not in out
     summary = out[out.index("=== Summary of 07_shape.ipynb ==="):]
     assert "\u2713 1 check held on your run." in summary
-    assert "\u2717 1 failure the lesson runs on purpose, folded above to one line each." in summary
+    assert "\u2298 1 failure the lesson runs on purpose, shown above in full and marked \u2298." in summary
     assert ("The exercise (code cell 4) as given: judged wrong, as expected (2 mistakes to find). Now solve it in "
             "JupyterLab") in summary
     assert "Plots: none in this lesson." in summary

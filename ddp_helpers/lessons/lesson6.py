@@ -75,9 +75,9 @@ def table(points: list[dict], world_size: int, fit: AlphaBeta) -> str:
     return "\n".join(rows)
 
 
-# Published all-reduce bus bandwidths, for the plot: someone else's hardware, with the source.
-# Someone else's hardware, for scale, each with its conditions (shared/NOTES.md: the maintainers' and the
-# Ultra-Scale Playbook's numbers, not blog pages).
+# Published all-reduce bus bandwidths, for the plot: someone else's hardware, for scale, each with its conditions
+# and source (NVIDIA's NCCL maintainers in the nccl and nccl-tests issue threads; the Ultra-Scale Playbook,
+# huggingface.co/spaces/nanotron/ultrascale-playbook): no blog pages.
 PUBLISHED_BUS_BANDWIDTH = (
     ("8 x H100, NVLink, ring", 370e9,
      "nccl-tests all-reduce bus bandwidth with the ring algorithm, about 370 GB/s, as NVIDIA's NCCL maintainers "
@@ -88,9 +88,11 @@ PUBLISHED_BUS_BANDWIDTH = (
 )
 
 
-# The Ultra-Scale Playbook's data-parallel scaling (its `dp_scaling` figure, shared/NOTES.md): a 1B model,
-# pure data parallelism (ZeRO-0), nodes of 8 x H100, sequence 4096, the global batch fixed at 1M tokens (so
-# gradient accumulation falls from 16 steps at 8 GPUs to 1 at 256). GPUs -> (tokens/s per GPU, MFU).
+# The Ultra-Scale Playbook's data-parallel scaling (huggingface.co/spaces/nanotron/ultrascale-playbook): tokens/s
+# per GPU from its `dp_scaling` figure; the two MFU values from its interactive benchmark table (the 1B, pure-DP,
+# ZeRO-0 column, the same throughputs). Pure data parallelism (ZeRO-0), nodes of 8 x H100, sequence 4096, the global
+# batch fixed at 1M tokens (so gradient accumulation falls from 16 steps at 8 GPUs to 1 at 256): strong scaling.
+# GPUs -> (tokens/s per GPU, MFU).
 PLAYBOOK_DP_SCALING = {8: (40_150, 0.392), 16: (37_610, None), 32: (35_368, None), 64: (31_112, None),
                        128: (26_446, None), 256: (15_700, 0.153)}
 PLAYBOOK_CONDITIONS = ("Ultra-Scale Playbook, data parallelism: 1B model, ZeRO-0, 8 x H100 per node, sequence 4096, "

@@ -125,7 +125,7 @@ def plot_scaling_beside_the_playbook(efficiency: dict[int, float]):
     mine.set_ylim(0, 1.1)
     mine.set_xlabel("ranks (this machine)")
     mine.set_ylabel("scaling efficiency")
-    mine.set_title("Your run", fontsize=10, loc="left")
+    mine.set_title("Your run: weak scaling (the batch per rank fixed)", fontsize=10, loc="left")
     gpus = sorted(PLAYBOOK_DP_SCALING)
     first = PLAYBOOK_DP_SCALING[gpus[0]][0]
     theirs.plot(gpus, [PLAYBOOK_DP_SCALING[g][0] / first for g in gpus], "o-", color=series_color(1))
@@ -134,7 +134,8 @@ def plot_scaling_beside_the_playbook(efficiency: dict[int, float]):
     theirs.set_ylim(0, 1.1)
     theirs.set_xlabel("GPUs")
     theirs.set_ylabel("tokens/s per GPU, relative to 8 GPUs")
-    theirs.set_title("Published: " + PLAYBOOK_CONDITIONS.split(": ", 1)[1], fontsize=8, loc="left", wrap=True)
+    theirs.set_title("Published, strong scaling (the global batch fixed): " + PLAYBOOK_CONDITIONS.split(": ", 1)[1],
+                     fontsize=8, loc="left", wrap=True)
     fig.tight_layout()
     return fig
 

@@ -37,7 +37,16 @@ PLAN = (
     ("hang report", "a rank that skips an all_reduce on nccl: the report names the collective and the rank, "
                     "with stacks (2 GPUs or more)"),
     ("all-reduce benchmark", "benchmarks/allreduce.py on nccl, up to 64 MiB (2 GPUs or more)"),
+    ("straggler timing", "rank 1 does ~0.2 s of GPU work before an all_reduce: on rank 0, wait() returns to the host "
+                         "at once (nccl: the stream waits) and only torch.cuda.synchronize() takes the straggler's "
+                         "time, as lessons 5 and 7 say (2 GPUs or more)"),
+    ("MFU against the GPU's peak", "a bfloat16 training step of dense layers, FLOPs counted by torch and timed with "
+                                   "CUDA events, over the datasheet peak of a GPU the check knows (H100, H200): an "
+                                   "MFU between 0 and 100 %, as lesson 6 computes it"),
 )
+# Datasheet dense bfloat16 peaks (NVIDIA's H100 and H200 SXM data sheets: 989 TFLOPS without sparsity), by the
+# name torch.cuda.get_device_name() gives; another GPU's MFU is not computed (no guessed peak).
+BF16_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12}
 
 results: list[tuple[str, bool | None, str]] = []  # (check, held / failed / skipped, detail)
 
@@ -262,6 +271,87 @@ def check_hang_report(folder: Path, gpus: int, backend: str = "nccl") -> None:
            f"timed out: {run.timed_out}; the report says: {cause or 'nothing'}")
 
 
+STRAGGLER = """
+    import os, time
+    import torch
+    import torch.distributed as dist
+    from ddp_helpers import record
+
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    value, matrix = torch.ones(1 << 20, device=device), torch.randn(4096, 4096, device=device)
+    dist.all_reduce(value)  # nccl's communicators made before anything is timed
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    if dist.get_rank() == 1:  # the straggler: queued GPU work, the host goes straight on
+        for _ in range(200):
+            matrix = matrix @ matrix.T / 4096
+    end.record()
+    began = time.perf_counter()
+    dist.all_reduce(value, async_op=True).wait()  # nccl: the current stream waits; the host does not
+    host_wait = time.perf_counter() - began
+    torch.cuda.synchronize()  # the host waits until the GPU has finished the all-reduce
+    synchronized = time.perf_counter() - began
+    record("timing", {"gpu_work_ms": start.elapsed_time(end), "host_wait_ms": 1e3 * host_wait,
+                      "synchronized_ms": 1e3 * synchronized})
+    dist.destroy_process_group()
+"""
+
+
+def check_straggler_timing(folder: Path, gpus: int) -> None:
+    if gpus < 2:
+        report("straggler timing", None, "needs 2 GPUs")
+        return
+    from ddp_helpers import launch, make_launch_config
+
+    run = launch(make_launch_config(write(folder, "straggler.py", STRAGGLER), nproc=2, backend="nccl", stream=False,
+                                    timeout_s=180))
+    if not run.ok:
+        report("straggler timing", False, f"the run failed: {run.summary()}")
+        return
+    fast, slow = run.ranks[0].facts["timing"], run.ranks[1].facts["timing"]
+    held = (fast["host_wait_ms"] < 0.2 * fast["synchronized_ms"]
+            and fast["synchronized_ms"] > 0.5 * slow["gpu_work_ms"])
+    report("straggler timing", held,
+           f"rank 1's GPU work {slow['gpu_work_ms']:.0f} ms; on rank 0, wait() returned after "
+           f"{fast['host_wait_ms']:.2f} ms and torch.cuda.synchronize() after {fast['synchronized_ms']:.0f} ms")
+
+
+def check_mfu(gpus: int) -> None:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    name = torch.cuda.get_device_name(0)
+    peak = next((flops for key, flops in BF16_PEAK_FLOPS.items() if key in name), None)
+    if peak is None:
+        report("MFU against the GPU's peak", None, f"no datasheet peak known here for {name}")
+        return
+    model = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192, dtype=torch.bfloat16) for _ in range(4)]).cuda()
+    batch = torch.randn(4096, 8192, dtype=torch.bfloat16, device="cuda")
+    with FlopCounterMode(display=False) as counter:
+        model(batch).float().square().mean().backward()
+    flops = counter.get_total_flops()
+    for _ in range(3):  # warm-up
+        model(batch).float().square().mean().backward()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    began = time.perf_counter()
+    start.record()
+    steps = 10
+    for _ in range(steps):
+        model(batch).float().square().mean().backward()
+    end.record()
+    host_only = time.perf_counter() - began  # before any wait: the kernels were only queued
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    mfu, unsynchronized = flops * steps / seconds / peak, flops * steps / host_only / peak
+    report("MFU against the GPU's peak", 0 < mfu <= 1,
+           f"{name}: {flops * steps / seconds / 1e12:.0f} TFLOP/s of bf16 dense {peak / 1e12:.0f}: MFU {mfu:.0%} "
+           f"(timed on the host without a synchronize it would read {unsynchronized:.0%})")
+
+
 def check_benchmark(gpus: int) -> None:
     if gpus < 2:
         report("all-reduce benchmark", None, "needs 2 GPUs")
@@ -294,7 +384,8 @@ def main() -> int:
         steps = [lambda: check_detection(gpus), lambda: check_all_reduce(folder, world, cold=False),
                  lambda: check_all_reduce(folder, world, cold=True), lambda: check_lessons(gpus),
                  lambda: check_exercise(folder, gpus), lambda: check_hang_report(folder, gpus),
-                 lambda: check_benchmark(gpus)]
+                 lambda: check_benchmark(gpus), lambda: check_straggler_timing(folder, gpus),
+                 lambda: check_mfu(gpus)]
         for (check, _), step in zip(PLAN, steps):
             try:
                 step()

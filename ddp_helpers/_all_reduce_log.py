@@ -26,10 +26,12 @@ MAX_VALUES = 64
 
 calls: list[dict] = []
 other_calls: list[dict] = []  # OTHER_COLLECTIVES', each with its "collective"
-# The other collectives, and the position of the argument that holds what this rank puts in.
-OTHER_COLLECTIVES = {"all_gather": 1, "all_gather_into_tensor": 1, "reduce": 0, "broadcast": 0, "gather": 0,
-                     "reduce_scatter_tensor": 1, "all_gather_object": 1, "gather_object": 0,
-                     "broadcast_object_list": 0}
+# The other collectives, and the argument that holds what this rank puts in: (position, keyword).
+OTHER_COLLECTIVES = {"all_gather": (1, "tensor"), "all_gather_into_tensor": (1, "input_tensor"),
+                     "all_gather_single": (1, "input_tensor"), "reduce": (0, "tensor"), "broadcast": (0, "tensor"),
+                     "gather": (0, "tensor"), "reduce_scatter_tensor": (1, "input"),
+                     "reduce_scatter_single": (1, "input"), "all_gather_object": (1, "obj"),
+                     "gather_object": (0, "obj"), "broadcast_object_list": (0, "object_list")}
 _depth = 0  # > 0 inside a logged call: torch's own inner collectives are not the script's
 # Set by a checker's rank-side code (lesson 7's exercise model): log every call's sum too, whatever its size,
 # so the checker can tell that a rank all-reduced its own gradients, not zeros or other numbers for show.
@@ -57,7 +59,7 @@ def _capturing(tensor) -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-def _logged(function, is_compiling, log=None, position=0):
+def _logged(function, is_compiling, log=None, where=(0, None)):
     """`function` logging what it is handed: all_reduce's entry, or (`log`) another collective's input at `position`."""
     @functools.wraps(function)
     def logged(*args, **kwargs):
@@ -71,7 +73,7 @@ def _logged(function, is_compiling, log=None, position=0):
         if len(target) < MAX_CALLS:
             try:
                 target.append(_entry(args[0], args[1:], kwargs) if log is None else
-                              {"collective": log, **_input_entry(args[position] if len(args) > position else None)})
+                              {"collective": log, **_input_entry(_argument(args, kwargs, *where))})
             except Exception:  # noqa: BLE001 - not a tensor: the collective itself says what is wrong
                 pass
         _depth += 1
@@ -84,12 +86,18 @@ def _logged(function, is_compiling, log=None, position=0):
     return logged
 
 
+def _argument(args, kwargs, position: int, keyword: str | None):
+    return args[position] if len(args) > position else kwargs.get(keyword) if keyword else None
+
+
 def _input_entry(value) -> dict:
     """What a rank put into a collective: a small tensor's values, a number, or a short list of numbers."""
     if hasattr(value, "shape") and hasattr(value, "detach"):
         entry = {"shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
         if value.numel() <= MAX_VALUES and not _capturing(value):
             entry["values"] = value.detach().cpu().double().flatten().tolist()
+        elif log_sums and not _capturing(value) and value.is_floating_point():
+            entry["sum_of_squares"] = float(value.detach().double().square().sum())
         return entry
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return {"values": [float(value)]}
@@ -109,9 +117,9 @@ def observe(c10d_module) -> None:
         return
     is_compiling = _compiler_check()
     c10d_module.all_reduce = _logged(function, is_compiling)
-    for name, position in OTHER_COLLECTIVES.items():
-        if hasattr(c10d_module, name):
-            setattr(c10d_module, name, _logged(getattr(c10d_module, name), is_compiling, name, position))
+    for name, where in OTHER_COLLECTIVES.items():
+        if hasattr(c10d_module, name) and not getattr(getattr(c10d_module, name), "__ddp_helpers_logged__", False):
+            setattr(c10d_module, name, _logged(getattr(c10d_module, name), is_compiling, name, where))
     package = sys.modules.get("torch.distributed")
     if package is not None:
         for name in ("all_reduce", *OTHER_COLLECTIVES):

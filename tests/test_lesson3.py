@@ -180,3 +180,26 @@ dist.destroy_process_group()
     assert run.ok, failure_report(run)
     report = check_checkpoint_exercise(run)
     assert report.passed, str(report)
+
+
+def test_the_global_batch_learned_over_a_raw_socket_is_judged_wrong_for_want_of_evidence(write_script):
+    """The store route above is named as a side channel; a raw socket, which the launcher does not watch, is caught
+    by what it lacks: FSDP's reduce-scatters carried the global batch's gradients, not each rank's own."""
+    from support import SOCKET_EXCHANGE, free_port
+
+    source = SOCKET_EXCHANGE + SOURCES[1].replace(
+        "for step in range(5):",
+        "from ddp_helpers import rank_secret\n"
+        "from ddp_helpers.lessons.lesson3 import exercise_batch\n"
+        "secrets = exchanged(rank_secret())\n"
+        "my_batch(0)  # as the honest script does first\n"
+        "for step in range(5):").replace(
+        "    inputs, targets = my_batch(step)  # this rank's own batch, from a secret only its process is handed\n",
+        "    shares = [exercise_batch(step, secret) for secret in secrets]\n"
+        "    inputs, targets = torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])\n")
+    run = run_on_cpu(write_script("exercise", source), nproc=2, stream=False, timeout_s=90,
+                     extra_env={"SIDE_PORT": str(free_port())})
+    assert run.ok, failure_report(run)
+    report = check_checkpoint_exercise(run)
+    assert len(report.mistakes) == 1 and "did not carry its own batch's gradients" in report.mistakes[0], \
+        str(report) + "\n" + failure_report(run)

@@ -10,7 +10,9 @@ rank held a whole tensor and each rank wrote its share of the bytes; resumes the
 lesson's own loader (`lesson3_loader.py`) as jobs of 1 and 4 ranks (3 when it was saved at 4); and
 compares the model, Adam's moments and step with the exercise's training done here in one process.
 Each rank's batches come from its secret (`my_batch`; `ddp_helpers.rank_secret`), so no rank can train
-on the global batch itself and leave FSDP's reduce-scatter only averaging equal gradients.
+on the global batch itself and leave FSDP's reduce-scatter only averaging equal gradients; and, the positive
+evidence, FSDP's reduce-scatters must be seen carrying each rank's own batch's gradients every step (a fingerprint
+of their input, `own_gradients_unseen`), whatever road the other ranks' batches could take besides.
 """
 
 from __future__ import annotations
@@ -73,8 +75,62 @@ def exercise_batch(step: int, secret: int):
 
 
 def my_batch(step: int):
-    """In a rank: this rank's own batch of step `step`, from the secret only this rank's process is handed."""
+    """In a rank: this rank's own batch of step `step`, from the secret only this rank's process is handed. From
+    its first call the launcher also logs a fingerprint of what FSDP hands its reduce-scatters (the sum of the
+    squares of their input: `_all_reduce_log.log_sums`), the evidence the checker asks for."""
+    from .. import _all_reduce_log
+
+    _all_reduce_log.log_sums = True
     return exercise_batch(step, rank_secret())
+
+
+REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
+FINGERPRINT_TOLERANCE = 1e-3  # relative: float32 sums of squares of the same gradients, in another order
+
+
+def own_gradient_norms(secrets: list[int]) -> list[list[float]]:
+    """Per step, per rank, the sum of the squares of every gradient of the rank's own batch's loss, along the
+    exercise's training (`exercise_reference`'s)."""
+    import torch
+
+    model = exercise_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    norms = []
+    for step in range(EXERCISE_STEPS):
+        batches = [exercise_batch(step, secret) for secret in secrets]
+        norms.append([])
+        for inputs, targets in batches:
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+            norms[-1].append(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(torch.cat([b[0] for b in batches])),
+                                          torch.cat([b[1] for b in batches])).backward()
+        optimizer.step()
+    return norms
+
+
+def own_gradients_unseen(run: RunResult, secrets: list[int]) -> str | None:
+    """What shows that FSDP's reduce-scatters did not carry each rank's own batch's gradients, every step; None
+    when they did. FSDP hands each reduce-scatter a rank's whole unsharded gradients (a unit's, scaled by one factor
+    of its own choosing), so per step the sum of their squares over the step's reduce-scatters is a fixed multiple
+    of the squares of the rank's own gradients: the same multiple on every rank and every step."""
+    expected = own_gradient_norms(secrets)
+    ratios = []
+    for rank in run.ranks:
+        fingerprints = [call.get("sum_of_squares") for call in rank.handed_to_collectives
+                        if call.get("collective") in REDUCE_SCATTERS]
+        if not fingerprints or None in fingerprints or len(fingerprints) % EXERCISE_STEPS:
+            return f"rank {rank.rank}'s reduce-scatters were not seen in each of the {EXERCISE_STEPS} steps"
+        per_step = len(fingerprints) // EXERCISE_STEPS
+        for step in range(EXERCISE_STEPS):
+            ratios.append((rank.rank, step, sum(fingerprints[step * per_step:(step + 1) * per_step])
+                           / expected[step][rank.rank]))
+    first = ratios[0][2]
+    off = [(rank, step) for rank, step, ratio in ratios if abs(ratio - first) > FINGERPRINT_TOLERANCE * first]
+    if off:
+        return f"rank {off[0][0]}'s reduce-scatters at step {off[0][1]} did not carry its own batch's gradients"
+    return None
 
 
 def exercise_reference(secrets: list[int]):
@@ -139,6 +195,13 @@ def check_checkpoint_exercise(run: RunResult) -> ExerciseReport:
     if not _judge_sharding(layouts, len(run.ranks), report) or not _judge_nothing_gathered_whole(run, report):
         return report
     _judge_resumed(run, layouts, secrets, report)
+    if not report.mistakes:  # the right checkpoint: now the positive evidence that the ranks trained together
+        unseen = own_gradients_unseen(run, secrets)
+        if unseen:
+            report.mistakes.append(f"the checkpoint is right, but {unseen}: the ranks learned each other's batches "
+                                   "some other way. What does FSDP's reduce-scatter put together?")
+        else:
+            report.confirmed.append("every step, FSDP's reduce-scatters carried each rank's own batch's gradients")
     return report
 
 

@@ -10,6 +10,11 @@ so only its shape is known). Collectives are not logged here (`ddp_helpers.comm`
 A small sent tensor is also marked `grad_of_received` when it is the gradient of a tensor this rank
 received (its `.grad`, or what `torch.autograd.grad` returned for it): the pipeline checker's evidence
 that stage 1 computed from what it received, rather than recomputing stage 0 and sending for show.
+
+And every backward (`torch.autograd.backward`, which `Tensor.backward` calls, and `torch.autograd.grad`) is logged
+as {"op": "backward", "used_received": ...}: whether a received tensor (or a copy of it) was handed to it as the
+gradient of its outputs, or sits in the graph it runs: the pipeline checker's evidence that stage 0's gradients
+came from the gradient stage 1 sent back, not from a loss stage 0 computed itself.
 """
 
 from __future__ import annotations
@@ -111,9 +116,71 @@ def unfinished() -> dict | None:
     return None
 
 
+def _is_received_value(tensor) -> bool:
+    """`tensor` is a received tensor, or equal to one (a copy)."""
+    import torch
+
+    for ref in _received:
+        received = ref()
+        if received is tensor or (received is not None and received.shape == tensor.shape
+                                  and received.dtype == tensor.dtype and torch.equal(received.detach(), tensor.detach())):
+            return True
+    return False
+
+
+def _used_received(roots, gradients) -> bool:
+    """Whether a received tensor is among `gradients` (what a backward is handed for its `roots`), or is saved
+    in the graph that backward runs (`(activation * received).sum().backward()`)."""
+    import torch
+
+    as_list = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]
+    if any(torch.is_tensor(g) and _is_received_value(g) for g in as_list(gradients)):
+        return True
+    seen, frontier = set(), [r.grad_fn for r in as_list(roots) if torch.is_tensor(r) and r.grad_fn is not None]
+    while frontier and len(seen) < 1000:
+        node = frontier.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    saved = getattr(node, name)
+                except RuntimeError:  # freed already (retain_graph=False on an earlier backward)
+                    continue
+                if torch.is_tensor(saved) and _is_received_value(saved):
+                    return True
+        frontier += [next_node for next_node, _ in node.next_functions]
+    return False
+
+
+def _note_backward(roots, gradients) -> None:
+    global _depth
+    if not _received or _depth or len(calls) >= MAX_CALLS:
+        return
+    _depth += 1
+    try:
+        calls.append({"op": "backward", "peer": None, "shape": [], "used_received": _used_received(roots, gradients)})
+    except Exception:  # noqa: BLE001 - evidence is best effort: the backward itself must run as the script wrote it
+        pass
+    finally:
+        _depth -= 1
+
+
+def _observing_backward(backward):
+    @functools.wraps(backward)
+    def observed(tensors, grad_tensors=None, *args, **kwargs):
+        _note_backward(tensors, grad_tensors)
+        return backward(tensors, grad_tensors, *args, **kwargs)
+
+    observed.__ddp_helpers_logged__ = True
+    return observed
+
+
 def _observing_grad(grad):
     @functools.wraps(grad)
     def observed(outputs, inputs, *args, **kwargs):
+        _note_backward(outputs, kwargs.get("grad_outputs", args[0] if args else None))
         results = grad(outputs, inputs, *args, **kwargs)
         if _received:
             for given, result in zip(inputs if isinstance(inputs, (list, tuple)) else [inputs], results):
@@ -144,6 +211,8 @@ def observe(c10d_module) -> None:
     autograd = sys.modules.get("torch.autograd")
     if autograd is not None and not getattr(autograd.grad, "__ddp_helpers_logged__", False):
         autograd.grad = _observing_grad(autograd.grad)
+    if autograd is not None and not getattr(autograd.backward, "__ddp_helpers_logged__", False):
+        autograd.backward = _observing_backward(autograd.backward)
 
 
 def summary() -> list[dict]:

@@ -154,3 +154,33 @@ def test_micro_batches_in_flight_counts_forwards_whose_backward_has_not_run():
                    piece("backward", 4), piece("forward", 5), piece("backward", 6), piece("backward", 7)]
     assert micro_batches_in_flight(gpipe) == 4
     assert micro_batches_in_flight(list(reversed(one_f_one_b))) == 2  # by start time, not by list order
+
+
+def test_stage_zero_computing_the_loss_with_labels_from_a_raw_socket_fails(write_script, sources):
+    """Rank 1 sends its labels to rank 0 over a raw socket, which the launcher does not watch; rank 0 runs the whole
+    model and the loss itself, while the activation and its gradient still cross for show. The gradients are right:
+    only the missing evidence (no backward on rank 0 from the gradient that came back) shows it."""
+    from support import SOCKET_EXCHANGE, free_port
+
+    cheat = SOCKET_EXCHANGE + sources[1].replace(
+        "    dist.send(activation.detach(), dst=1)     # the activation, to stage 1\n",
+        "    dist.send(activation.detach(), dst=1)     # the activation, to stage 1\n"
+        "    labels = torch.tensor(exchanged(None)[1])\n").replace(
+        "    activation.backward(grad)\n",
+        "    torch.nn.functional.cross_entropy(full[4:](activation), labels.to(device)).backward()\n").replace(
+        "    targets = my_targets()\n", "    targets = my_targets()\n    exchanged(targets.tolist())\n")
+    assert cheat.count("exchanged(") == 3, cheat
+    run = run_on_cpu(write_script("exercise", cheat), stream=False, extra_env={"SIDE_PORT": str(free_port())})
+    assert run.ok, failure_report(run)
+    report = check_pipeline_exercise(run)
+    assert not report.passed and "no backward on rank 0 used it" in str(report), str(report)
+
+
+def test_stage_zero_may_start_its_backward_from_the_gradient_in_any_form(write_script, sources):
+    """activation.backward(grad), torch.autograd.backward, or the gradient as a weight in a sum: all right."""
+    for backward in ("    torch.autograd.backward([activation], [grad])\n",
+                     "    (activation * grad.clone()).sum().backward()\n"):
+        script = sources[1].replace("    activation.backward(grad)\n", backward)
+        run = run_on_cpu(write_script("exercise", script), stream=False)
+        report = check_pipeline_exercise(run)
+        assert run.ok and report.passed, f"{backward}: {report}\n{failure_report(run)}"

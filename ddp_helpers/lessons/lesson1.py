@@ -7,7 +7,8 @@ the batch's inputs come from rank 0's secret and its labels from rank 1's (`my_i
 `ddp_helpers.rank_secret`), so neither stage can compute the other's part. It finished; nothing but the
 activation and its gradient crossed (no collective, no store, no file, no larger send); the activation
 went from rank 0 to rank 1 and its gradient came back (every send and recv is seen by the launcher,
-values included); and loss and gradients equal the unsplit model's.
+values included), and stage 0's backward ran from that gradient (every backward is seen too); and loss and
+gradients equal the unsplit model's.
 """
 
 from __future__ import annotations
@@ -228,9 +229,14 @@ def _judge_what_crossed(run: RunResult, reference: dict, report: ExerciseReport)
         # The right values, but not computed from what arrived: rank 1 ran stage 0 itself and sent for show.
         report.mistakes.append("rank 1 sent back the right values, but not the gradient of the tensor it received "
                                "from rank 0: stage 1 did not compute from what stage 0 sent")
+    elif not any(m.get("op") == "backward" and m.get("used_received") for m in run.ranks[0].point_to_point):
+        # Positive evidence for stage 0: its backward ran from the gradient that came back (handed to backward, or
+        # in the graph), not from a loss rank 0 computed itself with the labels it learned some other way.
+        report.mistakes.append("rank 0 received the gradient from rank 1, but no backward on rank 0 used it: "
+                               "stage 0's gradients came from somewhere else. Where does stage 0's backward start?")
     else:
         report.confirmed.append("the activation's gradient, computed by stage 1 from the activation it received, "
-                                "came back from rank 1 to rank 0")
+                                "came back from rank 1 to rank 0, and stage 0's backward ran from it")
 
 
 def _judge_what_it_computed(run: RunResult, reference: dict, report: ExerciseReport) -> None:

@@ -222,3 +222,23 @@ def test_a_sigterm_to_torchrun_is_survived_only_by_a_training_that_traps_it(trap
         assert len(saved_at) == 1 and resumed_at == {min(saved_at) + 1} and min(saved_at) >= 5, f"{stopped}\n{resumed}"
     else:
         assert not saved_at and not resumed_at and "step 0 done" in resumed, f"{stopped}\n{resumed}"
+
+
+def test_the_random_states_passed_over_a_raw_socket_are_judged_wrong_for_want_of_evidence(write_script):
+    """As the store route above, through a road the launcher does not watch: the snapshot holds every rank's state,
+    and no collective carried them."""
+    from support import SOCKET_EXCHANGE, free_port
+
+    cheat = SOCKET_EXCHANGE + SOLUTION.replace(
+        "        dist.all_gather_object(states, state)\n",
+        "        import base64, io\n"
+        "        packed = io.BytesIO()\n"
+        "        torch.save(state, packed)\n"
+        "        states = [torch.load(io.BytesIO(base64.b64decode(s)), weights_only=True)\n"
+        "                  for s in exchanged(base64.b64encode(packed.getvalue()).decode())]\n")
+    assert cheat.count("exchanged(") == 2, cheat
+    run = run_on_cpu(write_script("exercise", cheat), nproc=2, stream=False, max_restarts=1, kill_rank=1,
+                     kill_after="step 5 done", timeout_s=60, extra_env={"SIDE_PORT": str(free_port())})
+    assert run.ok, failure_report(run)
+    report = check_resume_exercise(run)
+    assert len(report.mistakes) == 1 and "reached rank 0 through no collective" in report.mistakes[0], str(report)

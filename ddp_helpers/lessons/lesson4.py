@@ -13,7 +13,10 @@ the final snapshots bitwise: the weights and the optimizer's momentum. So a "fix
 model or its randomness (reseeding every step, dropping dropout, one random stream for every rank)
 fails, and so does one that restores only the CPU's random state on GPU ranks. Each rank seeds its dropout
 with its secret (`ddp_helpers.rank_secret`, the same after a restart), which the reference run is handed
-rank by rank: no rank can rebuild another rank's random state, it must be brought back from the snapshot.
+rank by rank: no rank can rebuild another rank's random state, it must be brought back from the snapshot. And
+what crossed between the ranks must be seen crossing: the other ranks' random states in rank 0's snapshot must each
+have been handed to a collective (the launcher digests the byte tensors a rank hands one); a rank keeping its own
+state in its own file moves nothing between ranks, and is asked for nothing.
 """
 
 from __future__ import annotations
@@ -59,7 +62,25 @@ def check_resume_exercise(run: RunResult) -> ExerciseReport:
     expected, theirs, shapes, all_reduces = _reference(run, secrets)
     _judge_steps(run, expected, report, shapes, all_reduces / max(len(expected), 1))
     _judge_snapshots(mine, theirs, report)
+    if not report.mistakes:
+        _judge_states_crossed_through_collectives(run, mine, report)
     return report
+
+
+def _judge_states_crossed_through_collectives(run: RunResult, snapshot: dict, report: ExerciseReport) -> None:
+    """Positive evidence for what crossed between the ranks: the random states in rank 0's snapshot other than
+    (perhaps) rank 0's own must each have been handed to a collective by a rank (the launcher digests every byte
+    tensor a rank hands one). A snapshot with the other ranks' states in it, that no collective carried, got them
+    by another road. Nothing is asked where nothing crossed (each rank keeping its own state in its own file)."""
+    from .._all_reduce_log import byte_digests
+
+    states = set(byte_digests({key: value for key, value in snapshot.items() if key not in ("model", "optimizer")}))
+    handed = {digest for r in run.ranks for call in r.handed_to_collectives for digest in call.get("digests", ())}
+    unseen = states - handed
+    if len(states) >= 2 and len(unseen) > 1:
+        report.mistakes.append(
+            f"the snapshot holds {len(states)} random states, and {len(unseen)} of them reached rank 0 through no "
+            "collective the launcher saw: how did rank 0 learn the other ranks' states?")
 
 
 # (ranks, backend, the ranks' secrets) -> (the steps the reference printed, its final snapshot, its gradient all-reduces' shapes and

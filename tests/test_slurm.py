@@ -192,11 +192,17 @@ def test_the_generated_job_script_runs_with_plain_sbatch(cluster, write_script, 
     # node's temporary folder (TMPDIR here, which the job inherits).
     temporary = tmp_path / "node-tmp"
     temporary.mkdir()
+    # And the job's working folder holds a `ddp_helpers` planted there: no process of the job may import it.
+    work, proof = tmp_path / "work", tmp_path / "proof"
+    (work / "ddp_helpers").mkdir(parents=True)
+    proof.mkdir()
+    (work / "ddp_helpers" / "__init__.py").write_text(f"open({str(proof)!r} + '/' + str(__import__('os').getpid()), 'w')\n")
     config = make_launch_config(write_script("who", WHO), job=SlurmJob(nodes=2), nproc=1, timeout_s=90, stream=False,
-                                extra_env={"TMPDIR": str(temporary)})
+                                extra_env={"TMPDIR": str(temporary)}, cwd=work)
     first = launch(config)
     assert first.ok, failure_report(first)
     assert list(temporary.iterdir()) == [] and not RunFolder(first.run_dir).torchrun_log_dir.exists()
+    assert list(proof.iterdir()) == [], "a process of the job imported the package planted in its working folder"
     for stale in first.run_dir.glob("rank*"):
         stale.unlink()
     job_script = config.script.with_suffix(".sbatch")

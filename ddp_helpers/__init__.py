@@ -1,6 +1,6 @@
 """ddp_helpers: run notebook cells on every rank under torchrun, and read back what each rank did.
 
-Public API (see README.md):
+Public API (see docs/launcher.md):
     make_launch_config, launch, run_script   launch a script; get a RunResult
     SlurmJob                                 make_launch_config(script, job=SlurmJob(nodes=2)); any registered
                                              job by its class name (`engines.register_job`)

@@ -480,7 +480,7 @@ def main() -> None:
     # this package. A script runs as `python script.py` would, as torchrun starts a worker: its folder first, and
     # never the working folder (a module in a --cwd of data must not shadow one the script imports under plain
     # torchrun). A cell imports from its notebook's folder and its --cwd as its kernel does: whoever can write
-    # those folders decides what its imports find (README, "A shared machine").
+    # those folders decides what its imports find (docs/security.md).
     import_dir = os.environ.get(IMPORT_DIR_ENV)
     cell_folders = dict.fromkeys((import_dir, os.getcwd()) if import_dir else ())
     sys.path[:0] = [os.path.dirname(script), *(folder for folder in cell_folders if folder not in sys.path)]

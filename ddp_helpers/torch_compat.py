@@ -37,7 +37,7 @@ from importlib import metadata
 # pyproject.toml asks for torch>=LOWEST,<(the minor after NEWEST_CHECKED).
 LOWEST = (2, 10)
 NEWEST_CHECKED = (2, 14)
-# The versions the whole course was run on, and how (README, "Which torch").
+# The versions the whole course was run on, and how (docs/torch.md).
 CHECKED = {
     "2.14.1": "2026-12-03: every notebook (nbmake) and the quick suite, PyPI's CUDA build run on CPU",
     "2.13.0": "2026-12-03: the whole suite, CPU build (the tested pin)",
@@ -105,7 +105,7 @@ def report(version: str | None = None) -> str:
         lines = [f"PyTorch {version}: inside the course's range, {span} (run end to end on {checked})."]
     elif release(version) > NEWEST_CHECKED:
         lines = [f"PyTorch {version}: newer than the course's range, {span}. It will most likely work; if a "
-                 "lesson fails, the README's 'Which torch' says how to run the course on the tested one."]
+                 "lesson fails, docs/torch.md says how to run the course on the tested one."]
     else:
         lines = [f"PyTorch {version}: older than the course's range, {span}, and never run with the course. "
                  f"Install torch {_dotted(LOWEST)} or newer (on a cluster, a newer module) if you can."]

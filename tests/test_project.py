@@ -63,11 +63,11 @@ def _tested_torch() -> str:
 
 
 def test_every_torch_range_the_readme_states_is_pyprojects():
-    """'any torch from 2.10 to 2.14', 'torch>=2.10,<2.15': the README says the range pyproject.toml asks for."""
+    """'any torch from 2.10 to 2.14', 'torch>=2.10,<2.15': the README and docs/ say the range pyproject.toml asks for."""
     from ddp_helpers import torch_compat
 
     package_range = str(_torch_requirement(_pyproject_requirements()).specifier)
-    readme = (ROOT / "README.md").read_text()
+    readme = "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     lowest, newest = (f"{v[0]}.{v[1]}" for v in (torch_compat.LOWEST, torch_compat.NEWEST_CHECKED))
     kept = re.findall(r"any torch from (\d+\.\d+) to (\d+\.\d+)", readme)
     asked = re.findall(r"`torch(>=[\d.]+,<[\d.]+)`", readme)

@@ -35,6 +35,7 @@ from .errors import LaunchError
 from .output import RankOutputStreamer, show_failures_once
 from .processes import run_despite_interrupts
 from .readback import collect_result
+from .waiting_line import WaitingLine
 from .result import RunResult
 from .run_folder import RunFolder
 
@@ -78,23 +79,29 @@ def follow(engine: Engine, config: LaunchConfig, folder: RunFolder) -> RunResult
     streamer = RankOutputStreamer(folder, config.world_size, enabled=config.stream, color=color)
     start = time.monotonic()
     timed_out, stopped = False, None
+    waiting = WaitingLine(config.timeout_s, enabled=config.stream)
     try:
         engine.start(run_id)
         # The timeout counts from the run's start: not the wait for a warm process still starting.
         deadline = time.monotonic() + config.timeout_s
+        waiting.started = time.monotonic()
         while True:
             streamer.poll()  # before asking the engine: its notes ("killing rank 1 ...") follow the lines they cite
+            waiting.tick(streamer.last_output_at)
             if not engine.running():
                 break
             if time.monotonic() > deadline:
                 timed_out = True
+                waiting.clear()
                 engine.on_timeout(streamer)
                 break
             engine.wait_for_end(engine.poll_interval_s)
     except KeyboardInterrupt as interrupt:  # the stop button, Ctrl-C: where each rank was, as a timeout tells it
         stopped = interrupt
+        waiting.clear()
         _where_each_rank_was(engine, streamer)
     finally:  # normal end, timeout, KeyboardInterrupt (stop button) or any error: nothing of the run survives
+        waiting.clear()
         _stop(engine, streamer)
     if stopped is not None:
         _show_where_each_rank_was(config, folder, engine, streamer, time.monotonic() - start)

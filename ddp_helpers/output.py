@@ -64,6 +64,7 @@ class RankOutputStreamer:
         # A rank's traceback, from its "Traceback" line on, is held back until the run's root cause is known
         # (`show_failures`): shown whole for the rank that failed first, as one line for the others.
         self._held: dict[int, _Held] = {}
+        self.last_output_at = time.monotonic()  # when a rank last wrote anything (read by the waiting line)
 
     def poll(self) -> None:
         for rank, kind, path in self._sources:
@@ -75,6 +76,7 @@ class RankOutputStreamer:
                 continue
             if not chunk:
                 continue
+            self.last_output_at = time.monotonic()
             self._offsets[rank, kind] += len(chunk)
             *lines, rest = (self._partial[rank, kind] + chunk).split(b"\n")
             self._partial[rank, kind] = rest

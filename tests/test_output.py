@@ -167,3 +167,23 @@ def test_text_counts_as_seen_once_its_line_is_complete(tmp_path):
     with open(out, "ab") as f:
         f.write(b"\n")  # ...then its newline
     assert watcher.seen()
+
+
+def test_a_silent_run_gets_one_waiting_line_that_goes_when_a_rank_prints(write_script, capfd, monkeypatch):
+    """No rank prints for a while: one line, redrawn in place, says so and what to press; it is taken away when a
+    rank prints again, and never shows for a run that keeps printing."""
+    from ddp_helpers import waiting_line
+    from support import failure_report, run_on_cpu
+
+    monkeypatch.setattr(waiting_line, "SILENT_FOR_S", 1.0)
+    script = write_script("quiet", "import time\ntime.sleep(3.5)\nprint('back', flush=True)\n")
+    run = run_on_cpu(script, timeout_s=60)
+    assert run.ok, failure_report(run)
+    captured = capfd.readouterr()
+    said = captured.err.count("no rank has printed for")
+    assert 1 <= said <= 5, captured.err  # redrawn about once a second, not once a poll
+    assert "Press stop to see where each rank is" in captured.err
+    assert captured.err.rstrip().endswith("\x1b[2K") or "\r\x1b[2K" in captured.err.split("no rank has printed")[-1]
+    chatty = write_script("chatty", "import time\nfor _ in range(8):\n    print('.', flush=True)\n    time.sleep(0.3)\n")
+    assert run_on_cpu(chatty, timeout_s=60).ok
+    assert "no rank has printed" not in capfd.readouterr().err

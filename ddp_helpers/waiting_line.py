@@ -1,0 +1,68 @@
+"""The line a launch shows while its ranks are silent: how long no rank has printed, and what to press to see
+where each rank is (the stop button prints the hang report). Updated in place, and taken away as soon as a rank
+prints again: one display output in a notebook (never one line per second in the saved file), one line redrawn
+with a carriage return in a terminal."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+#: seconds without a line from any rank before the line shows
+SILENT_FOR_S = 10.0
+_REDRAW_S = 1.0
+
+
+class WaitingLine:
+    """Call `tick(last_output_at)` at each poll of a run; `clear()` once it ends."""
+
+    def __init__(self, timeout_s: float, enabled: bool = True):
+        self.timeout_s, self.enabled = timeout_s, enabled
+        self.started = time.monotonic()
+        self._shown_at: float | None = None
+        self._display = None  # a notebook's display handle, once shown there
+
+    def tick(self, last_output_at: float) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        silent = now - max(last_output_at, self.started)
+        if silent < SILENT_FOR_S:
+            self.clear()
+        elif self._shown_at is None or now - self._shown_at >= _REDRAW_S:
+            self._show(f"[ddp_helpers] no rank has printed for {silent:.0f} s ({now - self.started:.0f} s of the "
+                       f"run's {self.timeout_s:g} s timeout). Waiting in a collective another rank never calls? Press "
+                       "stop to see where each rank is.")
+            self._shown_at = now
+
+    def clear(self) -> None:
+        if self._shown_at is None:
+            return
+        self._shown_at = None
+        if self._display is not None:
+            self._display.update(_Text(""))
+        else:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+
+    def _show(self, text: str) -> None:
+        if "ipykernel" in sys.modules:
+            from IPython.display import display
+
+            if self._display is None:
+                self._display = display(_Text(text), display_id=True)
+            else:
+                self._display.update(_Text(text))
+            return
+        sys.stderr.write("\r\x1b[2K" + text)
+        sys.stderr.flush()
+
+
+class _Text:
+    """Plain text for IPython's display, without the quotes a str's repr would add."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text

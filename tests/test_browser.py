@@ -456,6 +456,49 @@ def test_a_failed_check_is_caught_and_named(browser, lab):
     assert len(after) <= 1 and all(p.startswith("cell 2 (") and p.endswith("never ran") for p in after), problems
 
 
+STOP_ME = """%%torchrun -n 2 --backend gloo --name stop_me --timeout 120
+import time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print("in the hang", flush=True)
+if dist.get_rank() == 0:
+    dist.all_reduce(torch.ones(4))  # rank 1 never calls it
+time.sleep(300)
+"""
+
+
+def test_jupyterlabs_stop_button_shows_where_each_rank_was(browser, lab):
+    """Stop (JupyterLab's interrupt) pressed long before the cell's timeout: the cell prints the same report a
+    timeout gives, what each rank was waiting in, then ends."""
+    import nbformat
+
+    cells = ["%load_ext ddp_helpers", STOP_ME]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
+    nbformat.write(notebook, lab.root / "notebooks" / "stop.ipynb")
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        open_notebook(page, lab, "stop.ipynb")
+        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+        started = time.monotonic()
+        page.wait_for_function(
+            "(panel) => [...document.querySelectorAll(panel + ' .jp-OutputArea-output')]"
+            ".filter(o => o.innerText.includes('in the hang')).length > 0", arg=PANEL, timeout=90_000)
+        time.sleep(1)  # both ranks in the hang: rank 0 in its all_reduce
+        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Kernel$")).click()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Interrupt Kernel$")).click()
+        page.wait_for_function(
+            "(panel) => [...document.querySelectorAll(panel + ' .jp-OutputArea-output')]"
+            ".some(o => o.innerText.includes('when the run was stopped'))", arg=PANEL, timeout=60_000)
+        shown = "\n".join(output_texts(page))
+    finally:
+        page.close()
+    assert time.monotonic() - started < 90, "stopped long before the cell's 120 s timeout"
+    assert "What each rank was waiting in when the run was stopped" in shown and "all_reduce" in shown, shown
+    assert "Rank 1 never called all_reduce" in shown, shown
+
+
 def test_a_cell_that_never_ran_is_named():
     import nbformat
 

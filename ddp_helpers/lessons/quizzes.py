@@ -119,7 +119,8 @@ LESSON_3 = [
              ("What one process would draw for the whole tensors", "Rank 1's rows repeat rank 0's numbers: the model "
               "changes with the world size", "Nothing: meta tensors cannot be initialised"), 1,
              "Each rank draws from the start of the same stream for its own rows. A rule per row of the whole tensor "
-             "(or DTensor's random number generator, on GPUs) gives the same numbers at any world size.",
+             "gives the same numbers at any world size (DTensor's own random ops on GPUs give each shard a stream of "
+             "its own, but other numbers at another world size).",
              "Which numbers would one process give the second half of the rows?"),
 ]
 

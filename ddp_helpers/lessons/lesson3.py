@@ -85,17 +85,17 @@ def my_batch(step: int):
 
 
 REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
-FINGERPRINT_TOLERANCE = 1e-3  # relative: float32 sums of squares of the same gradients, in another order
+FINGERPRINT_TOLERANCE = 0.05  # the own gradients' multiple may wander this much (float32, Adam's drift) and no more
 
 
-def own_gradient_norms(secrets: list[int]) -> list[list[float]]:
+def own_gradient_norms(secrets: list[int]) -> tuple[list[list[float]], list[float]]:
     """Per step, per rank, the sum of the squares of every gradient of the rank's own batch's loss, along the
-    exercise's training (`exercise_reference`'s)."""
+    exercise's training (`exercise_reference`'s); and per step, that of the whole batch's loss's gradients."""
     import torch
 
     model = exercise_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    norms = []
+    norms, whole = [], []
     for step in range(EXERCISE_STEPS):
         batches = [exercise_batch(step, secret) for secret in secrets]
         norms.append([])
@@ -106,17 +106,20 @@ def own_gradient_norms(secrets: list[int]) -> list[list[float]]:
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(torch.cat([b[0] for b in batches])),
                                           torch.cat([b[1] for b in batches])).backward()
+        whole.append(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
         optimizer.step()
-    return norms
+    return norms, whole
 
 
 def own_gradients_unseen(run: RunResult, secrets: list[int]) -> str | None:
     """What shows that FSDP's reduce-scatters did not carry each rank's own batch's gradients, every step; None
     when they did. FSDP hands each reduce-scatter a rank's whole unsharded gradients (a unit's, scaled by one factor
     of its own choosing), so per step the sum of their squares over the step's reduce-scatters is a fixed multiple
-    of the squares of the rank's own gradients: the same multiple on every rank and every step."""
-    expected = own_gradient_norms(secrets)
-    ratios = []
+    of the squares of the rank's own gradients, the same on every rank and step. Whichever explains the logged
+    fingerprints with the steadier multiple, the ranks' own batches' gradients or the whole batch's, is what they
+    carried: a comparison float32's rounding (a ReLU flipped now and then) does not tip."""
+    own_norms, whole_norms = own_gradient_norms(secrets)
+    by_own, by_whole = [], []
     for rank in run.ranks:
         fingerprints = [call.get("sum_of_squares") for call in rank.handed_to_collectives
                         if call.get("collective") in REDUCE_SCATTERS]
@@ -124,12 +127,12 @@ def own_gradients_unseen(run: RunResult, secrets: list[int]) -> str | None:
             return f"rank {rank.rank}'s reduce-scatters were not seen in each of the {EXERCISE_STEPS} steps"
         per_step = len(fingerprints) // EXERCISE_STEPS
         for step in range(EXERCISE_STEPS):
-            ratios.append((rank.rank, step, sum(fingerprints[step * per_step:(step + 1) * per_step])
-                           / expected[step][rank.rank]))
-    first = ratios[0][2]
-    off = [(rank, step) for rank, step, ratio in ratios if abs(ratio - first) > FINGERPRINT_TOLERANCE * first]
-    if off:
-        return f"rank {off[0][0]}'s reduce-scatters at step {off[0][1]} did not carry its own batch's gradients"
+            logged = sum(fingerprints[step * per_step:(step + 1) * per_step])
+            by_own.append(logged / own_norms[step][rank.rank])
+            by_whole.append(logged / whole_norms[step])
+    spread = lambda ratios: (max(ratios) - min(ratios)) / (sum(ratios) / len(ratios))
+    if spread(by_whole) < spread(by_own) or spread(by_own) > FINGERPRINT_TOLERANCE:
+        return "each rank's reduce-scatters did not carry its own batch's gradients"
     return None
 
 

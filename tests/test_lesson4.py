@@ -49,7 +49,9 @@ WRONG_FIXES = {
         'step = 0\nfor epoch').replace(
         '        print(f"step {step} done")',
         '        if step > printed:\n'
-        '            open(noted, "w").write(str(step))\n'
+        # Written whole or not at all: torchrun's SIGTERM can land between a truncation and its write.
+        '            open(noted + ".tmp", "w").write(str(step))\n'
+        '            os.replace(noted + ".tmp", noted)\n'
         '            print(f"step {step} done")\n'
         '        pass'), "the ranks printed 18 steps but trained 24"),
     "the progress line removed": (SOLUTION.replace('print(f"step {step} done")', "pass"), "no rank was killed"),

@@ -53,7 +53,10 @@ WRONG_FIXES = {
         '            open(noted + ".tmp", "w").write(str(step))\n'
         '            os.replace(noted + ".tmp", noted)\n'
         '            print(f"step {step} done")\n'
-        '        pass'), "the ranks printed 18 steps but trained 24"),
+        '        pass'),
+        # Which of its two traces shows depends on when torchrun stops rank 0 beside the killed rank 1: after it
+        # noted step 5 (the lines hidden: fewer printed than trained), or before (rank 0 prints step 5 again).
+        ("the ranks printed 18 steps but trained 24", "step(s) [5] ran twice")),
     "the progress line removed": (SOLUTION.replace('print(f"step {step} done")', "pass"), "no rank was killed"),
     # Shortcuts that make the learner's own kill and no-kill runs agree by changing the training itself.
     "reseeding every step": (GIVEN.replace('first_step = snapshot["step"]', 'first_step = snapshot["step"] + 1').replace(
@@ -133,7 +136,8 @@ def test_a_wrong_fix_does_not_pass(write_script, wrong_fix):
     run = run_as_the_notebook_does(write_script, source)
     report = check_resume_exercise(run)
     assert not report.passed, failure_report(run)
-    assert named in str(report), str(report) + "\n" + failure_report(run)
+    assert any(said in str(report) for said in ((named,) if isinstance(named, str) else named)), \
+        str(report) + "\n" + failure_report(run)
 
 
 def test_restoring_only_the_cpu_random_state_is_judged_by_the_hardware(write_script):

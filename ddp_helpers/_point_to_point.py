@@ -51,19 +51,22 @@ def _is_received(tensor) -> bool:
     return any(ref() is tensor for ref in _received)
 
 
-def _gradient_of_received(tensor) -> bool:
-    """Whether `tensor` (small: compared by value too, so a copy counts) is the gradient of a received tensor."""
+def _same(tensor, other) -> bool:
+    """`other` is `tensor`, or a copy of it (equal shape, dtype and values)."""
     import torch
 
-    def same(gradient) -> bool:
-        return gradient is tensor or (gradient.shape == tensor.shape and gradient.dtype == tensor.dtype
-                                      and torch.equal(gradient.detach(), tensor.detach()))
+    return other is tensor or (other is not None and other.shape == tensor.shape and other.dtype == tensor.dtype
+                               and torch.equal(other.detach(), tensor.detach()))
+
+
+def _gradient_of_received(tensor) -> bool:
+    """Whether `tensor` (small: compared by value too, so a copy counts) is the gradient of a received tensor."""
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # .grad of a non-leaf tensor warns
         gradients = [ref().grad for ref in _received if ref() is not None and ref().grad is not None]
     gradients += [ref() for ref in _gradients_of_received if ref() is not None]
-    return any(same(g) for g in gradients)
+    return any(_same(tensor, g) for g in gradients)
 
 
 def _peer(args, kwargs, name: str):
@@ -118,14 +121,7 @@ def unfinished() -> dict | None:
 
 def _is_received_value(tensor) -> bool:
     """`tensor` is a received tensor, or equal to one (a copy)."""
-    import torch
-
-    for ref in _received:
-        received = ref()
-        if received is tensor or (received is not None and received.shape == tensor.shape
-                                  and received.dtype == tensor.dtype and torch.equal(received.detach(), tensor.detach())):
-            return True
-    return False
+    return any(_same(tensor, ref()) for ref in _received)
 
 
 def _used_received(roots, gradients) -> bool:

@@ -144,6 +144,28 @@ def train_on_every_share(model, shares_of_step, steps: int, learning_rate: float
     return [p.detach().clone() for p in model.parameters()]
 
 
+def per_share_gradients(model, optimizer, shares_of_step, steps: int, loss, fingerprint) -> tuple[list, list]:
+    """Train `model` as `train_on_every_share` does (each step on every share at once, `loss(outputs, targets)`),
+    and on the way take `fingerprint(parameters)` of the gradients of each share's loss alone and of the whole
+    step's: ([per step, per share], [per step]). What each rank's own data hands the collectives, along the
+    intended training, for the checkers' positive evidence."""
+    import torch
+
+    per_share, whole = [], []
+    for step in range(steps):
+        shares = shares_of_step(step)
+        per_share.append([])
+        for inputs, targets in shares:
+            model.zero_grad()
+            loss(model(inputs), targets).backward()
+            per_share[-1].append(fingerprint(list(model.parameters())))
+        optimizer.zero_grad()
+        loss(model(torch.cat([s[0] for s in shares])), torch.cat([s[1] for s in shares])).backward()
+        whole.append(fingerprint(list(model.parameters())))
+        optimizer.step()
+    return per_share, whole
+
+
 def distance(weights, others) -> float:
     """The Euclidean distance between two lists of tensors, taken as one vector."""
     return math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(weights, others)))

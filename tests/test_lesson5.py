@@ -68,12 +68,10 @@ for step, (inputs, targets) in enumerate(my_shard()):
     done.append(step)
 """ + RECORD_AND_END
 
-EVERY_RANK_FROM_THE_STORE = """from ddp_helpers import rank_secret
-from ddp_helpers.lessons.lesson5 import shard
-store = dist.distributed_c10d._get_default_store()
-store.set(f"secret{rank}", str(rank_secret()))
-dist.barrier()
-shards = [shard(int(store.get(f"secret{r}")), r == world_size - 1) for r in range(world_size)]
+# Every rank trains on every rank's shard (SECRETS: every rank's secret, learned some other way than a collective),
+# and all-reduces something for show (SHOWN).
+EVERY_RANK_ON_EVERY_SHARD = """from ddp_helpers.lessons.lesson5 import shard
+shards = [shard(secret, r == world_size - 1) for r, secret in enumerate(SECRETS)]
 done = []
 for step in range(STEPS):
     total = [torch.zeros_like(p) for p in model.parameters()]
@@ -84,10 +82,17 @@ for step in range(STEPS):
             total = [t + g for t, g in zip(total, torch.autograd.grad(loss, list(model.parameters())))]
     for p, t in zip(model.parameters(), total):
         p.grad = t / world_size
-        dist.all_reduce(p.grad.clone())
+        dist.all_reduce(SHOWN)
     optimizer.step()
     done.append(step)
 """ + RECORD_AND_END
+
+EVERY_RANK_FROM_THE_STORE = """from ddp_helpers import rank_secret
+store = dist.distributed_c10d._get_default_store()
+store.set(f"secret{rank}", str(rank_secret()))
+dist.barrier()
+""" + EVERY_RANK_ON_EVERY_SHARD.replace("SECRETS", '[int(store.get(f"secret{r}")) for r in range(world_size)]').replace(
+    "SHOWN", "p.grad.clone()")
 
 # The fix through DDP: the zero gradient of an empty batch comes from a zero loss (DDP's all-reduce runs in C++).
 THROUGH_DDP = """from torch.nn.parallel import DistributedDataParallel as DDP
@@ -108,23 +113,8 @@ for step in range(STEPS):
 
 # The secrets passed over a raw socket, which the launcher does not watch; every rank computes every rank's gradient
 # and all-reduces the average (its share of it) for show: the weights come out right.
-EVERY_RANK_FROM_A_SOCKET = SOCKET_EXCHANGE + """from ddp_helpers import rank_secret
-from ddp_helpers.lessons.lesson5 import shard
-shards = [shard(secret, r == world_size - 1) for r, secret in enumerate(exchanged(rank_secret()))]
-done = []
-for step in range(STEPS):
-    total = [torch.zeros_like(p) for p in model.parameters()]
-    for inputs, targets in [next(each) for each in shards]:
-        keep = inputs.abs().max(dim=1).values < OUTLIER
-        if keep.any():
-            loss = torch.nn.functional.mse_loss(model(inputs[keep]), targets[keep])
-            total = [t + g for t, g in zip(total, torch.autograd.grad(loss, list(model.parameters())))]
-    for p, t in zip(model.parameters(), total):
-        p.grad = t / world_size
-        dist.all_reduce((p.grad / world_size).clone())
-    optimizer.step()
-    done.append(step)
-""" + RECORD_AND_END
+EVERY_RANK_FROM_A_SOCKET = SOCKET_EXCHANGE + "from ddp_helpers import rank_secret\n" + EVERY_RANK_ON_EVERY_SHARD.replace(
+    "SECRETS", "exchanged(rank_secret())").replace("SHOWN", "(p.grad / world_size).clone()")
 
 
 def test_the_others_data_learned_over_a_raw_socket_is_judged_wrong_for_want_of_evidence(write_script, sources):

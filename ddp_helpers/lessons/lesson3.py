@@ -21,7 +21,7 @@ import re
 import zipfile
 from pathlib import Path
 
-from ..exercises import ExerciseReport, rank_secrets, side_channels
+from ..exercises import ExerciseReport, per_share_gradients, rank_secrets, side_channels
 from ..recording import rank_secret
 from ..result import RunResult
 
@@ -94,21 +94,10 @@ def own_gradient_norms(secrets: list[int]) -> tuple[list[list[float]], list[floa
     import torch
 
     model = exercise_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    norms, whole = [], []
-    for step in range(EXERCISE_STEPS):
-        batches = [exercise_batch(step, secret) for secret in secrets]
-        norms.append([])
-        for inputs, targets in batches:
-            model.zero_grad()
-            torch.nn.functional.cross_entropy(model(inputs), targets).backward()
-            norms[-1].append(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(torch.cat([b[0] for b in batches])),
-                                          torch.cat([b[1] for b in batches])).backward()
-        whole.append(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
-        optimizer.step()
-    return norms, whole
+    return per_share_gradients(
+        model, torch.optim.Adam(model.parameters(), lr=1e-2),
+        lambda step: [exercise_batch(step, secret) for secret in secrets], EXERCISE_STEPS,
+        torch.nn.functional.cross_entropy, lambda parameters: sum(float(p.grad.double().square().sum()) for p in parameters))
 
 
 def own_gradients_unseen(run: RunResult, secrets: list[int]) -> str | None:

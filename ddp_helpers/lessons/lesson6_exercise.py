@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import math
 
-from ..exercises import (ExerciseReport, distance, rank_secrets, regression_teacher, side_channels,
-                         train_on_every_share)
+from ..exercises import (ExerciseReport, distance, per_share_gradients, rank_secrets, regression_teacher,
+                         side_channels, train_on_every_share)
 from ..flight_recorder import ALL_REDUCE_OPS, torch_dtype_name
 from ..recording import rank_secret
 from ..result import RunResult
@@ -110,19 +110,10 @@ def own_gradient_sums(secrets: list[int]) -> list[list[list[float]]]:
     import torch
 
     model = exercise_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    sums = []
-    for step in range(STEPS):
-        shares = [exercise_batch(step, secret) for secret in secrets]
-        sums.append([])
-        for inputs, targets in shares:
-            model.zero_grad()
-            torch.nn.functional.mse_loss(model(inputs), targets).backward()
-            sums[-1].append([float(p.grad.double().sum()) for p in model.parameters()])
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(torch.cat([s[0] for s in shares])), torch.cat([s[1] for s in shares])).backward()
-        optimizer.step()
-    return sums
+    return per_share_gradients(
+        model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE),
+        lambda step: [exercise_batch(step, secret) for secret in secrets], STEPS, torch.nn.functional.mse_loss,
+        lambda parameters: [float(p.grad.double().sum()) for p in parameters])[0]
 
 
 def _own_gradients_unseen(run: RunResult, secrets: list[int]) -> dict[int, str]:

@@ -60,7 +60,8 @@ def _capturing(tensor) -> bool:
 
 
 def _logged(function, is_compiling, log=None, where=(0, None)):
-    """`function` logging what it is handed: all_reduce's entry, or (`log`) another collective's input at `position`."""
+    """`function` logging what it is handed: all_reduce's entry, or (`log`) another collective's input, the argument
+    `where` names (position, keyword)."""
     @functools.wraps(function)
     def logged(*args, **kwargs):
         global _depth
@@ -94,7 +95,7 @@ def byte_digests(value, depth: int = 0) -> list[str]:
     """A digest of every byte tensor in `value` (a tensor, or one inside dicts, lists and tuples): random states
     (torch.get_rng_state()) are byte tensors. The checker digests what a snapshot holds the same way."""
     if hasattr(value, "dtype") and hasattr(value, "numel"):
-        if str(value.dtype) == "torch.uint8" and value.numel() <= 1 << 20:
+        if str(value.dtype) == "torch.uint8" and value.numel() <= 1 << 20 and not _capturing(value):
             import hashlib
 
             return [hashlib.sha256(value.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:32]]
@@ -125,7 +126,7 @@ def _input_values(value) -> dict:
         return {"values": [float(value)]}
     if isinstance(value, (list, tuple)) and len(value) <= MAX_VALUES:
         numbers = [float(v) for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        tensors = [v for v in value if hasattr(v, "numel") and v.numel() <= MAX_VALUES]
+        tensors = [v for v in value if hasattr(v, "numel") and v.numel() <= MAX_VALUES and not _capturing(v)]
         numbers += [x for v in tensors for x in v.detach().cpu().double().flatten().tolist()]
         return {"values": numbers} if numbers else {}
     return {}

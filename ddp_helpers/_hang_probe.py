@@ -2,7 +2,9 @@
 
 When a run times out, the launcher writes into each live rank's named pipe (`RunFolder.hang_request`); a
 daemon thread of the bootstrap, blocked reading that pipe until then, answers (`write_hang_answer`). A thread can
-answer while the main thread waits in a collective: torch releases the interpreter lock there.
+answer while the main thread waits in a collective: torch releases the interpreter lock there. While a run is
+silent, the launcher's waiting line asks a quieter question (PEEK): which collectives have not finished, with
+no stack dump and no flight-recorder file, so that a run that then ends well leaves nothing of it behind.
 
 What it writes comes from torch's flight recorder, which torch 2.13 keeps by default for gloo and nccl
 alike (2000 entries, `TORCH_FR_BUFFER_SIZE`; torch/csrc/distributed/c10d/FlightRecorder.hpp), read with
@@ -32,6 +34,9 @@ KEEP_COLLECTIVES = 8  # the last few per rank: enough to see where ranks part wa
 OFF_ENV = "DDP_LESSONS_HANG_PROBE_OFF"  # "1": no probe thread (benchmarks/hang_report_cost.py compares)
 # "file": the launcher asks by writing a file, not into a named pipe (a cluster job's ranks, on other machines; see `_FileRequests`).
 REQUESTS_ENV = "DDP_HELPERS_HANG_REQUESTS"
+# What the launcher writes to ask: REPORT for the hang report (stacks, the recorder's dump), PEEK for the waiting
+# line's question (unfinished collectives only). Requests that pile up are answered once, the report first.
+REPORT, PEEK = b"?", b"p"
 
 
 def serve(folder: RunFolder, rank: int, stack_file) -> None:
@@ -55,8 +60,8 @@ class _PipeRequests:
     def pending(self, wait_s: float | None) -> bool:
         return bool(select.select([self._pipe], [], [], wait_s)[0])
 
-    def take(self) -> None:
-        os.read(self._pipe, 64)
+    def take(self) -> bytes:
+        return os.read(self._pipe, 64)
 
 
 class _FileRequests:
@@ -75,16 +80,26 @@ class _FileRequests:
             time.sleep(PREPARE_POLL_S)
         return True
 
-    def take(self) -> None:
+    def take(self) -> bytes:
+        try:
+            asked = self._path.read_bytes()
+        except OSError:
+            asked = REPORT
         self._path.unlink(missing_ok=True)
+        return asked or REPORT
 
 
 def _answer_requests(folder: RunFolder, rank: int, requests, stack_file) -> None:
-    _prepare_the_dump(requests)
+    prepared = False
     while True:
         try:
+            if not prepared:
+                prepared = _prepare_the_dump(requests)
             requests.pending(None)  # blocks until the launcher asks
-            requests.take()
+            asked = requests.take()
+            if REPORT not in asked:
+                folder.write_peek_answer(rank, _unfinished(rank))
+                continue
             # Every thread's stack first, from this thread: a signal (SIGUSR1) is the script's to own, and
             # a handler of its own (a preemption checkpoint) would run instead of the dump. While this
             # thread holds the interpreter lock, no other thread's frames change under the dump.
@@ -96,11 +111,12 @@ def _answer_requests(folder: RunFolder, rank: int, requests, stack_file) -> None
             return
 
 
-def _prepare_the_dump(requests) -> None:
+def _prepare_the_dump(requests) -> bool:
     """Once the script has a process group, dump the flight recorder once and throw the dump away: the first
     dump with stack traces imports what torch needs to name their lines (torch._dynamo and sympy, some 800
     modules: 2-4 s in a cold rank, more under load), and a rank asked only after a timeout would not answer
-    in time. A warm rank has them imported already (the warm process did). Returns early if asked first."""
+    in time. A warm rank has them imported already (the warm process did). Returns False if asked first
+    (then called again after the answer), True once prepared."""
     while not requests.pending(PREPARE_POLL_S):
         is_initialized = getattr(sys.modules.get("torch.distributed"), "is_initialized", None)  # None while it loads
         try:
@@ -110,7 +126,19 @@ def _prepare_the_dump(requests) -> None:
                 dump_trace(True, True, False)
         except Exception:  # noqa: BLE001 - only a preparation: the answer will say what fails
             pass
-        return
+        return True
+    return False
+
+
+def _unfinished(rank: int) -> dict:
+    """The waiting line's answer: the rank's last few collectives (no stack traces: a fast dump) and its
+    blocking point-to-point call, if any."""
+    collectives = [{**_collective(entry), "returned": bool(entry["retired"])}
+                   for dump_trace in _recorders()
+                   for entry in pickle.loads(dump_trace(True, False, False)).get("entries", [])[-KEEP_COLLECTIVES:]
+                   if not entry.get("is_p2p")]
+    return {"rank": rank, "collectives": collectives,
+            "point_to_point": _point_to_point.waiting or _point_to_point.unfinished(), "recorder": _recorder_is_on()}
 
 
 def _what_this_rank_waits_in(folder: RunFolder, rank: int) -> dict:

@@ -12,6 +12,7 @@ import errno
 import os
 from dataclasses import dataclass, field
 
+from ._hang_probe import PEEK, REPORT
 from .flight_recorder import torch_dtype_name
 from .run_folder import RunFolder, write_atomically
 from .stacks import fold_stack, is_importing
@@ -22,15 +23,16 @@ from .stacks import fold_stack, is_importing
 ANSWER_WAIT_S = 5.0
 
 
-def ask_ranks_by_file(folder: RunFolder, ranks: list[int]) -> list[int]:
+def ask_ranks_by_file(folder: RunFolder, ranks: list[int], what: bytes = REPORT) -> list[int]:
     """Ask each rank by writing its request as a file (a cluster job's ranks, `_hang_probe._FileRequests`)."""
     for rank in ranks:
-        write_atomically(folder.hang_request(rank), b"?")
+        write_atomically(folder.hang_request(rank), what)
     return list(ranks)
 
 
-def ask_ranks(folder: RunFolder, ranks: list[int]) -> list[int]:
-    """Write into each rank's request pipe (the rank's probe thread answers); the ranks that were asked."""
+def ask_ranks(folder: RunFolder, ranks: list[int], what: bytes = REPORT) -> list[int]:
+    """Write into each rank's request pipe (the rank's probe thread answers); the ranks that were asked. `what`:
+    REPORT for the hang report, PEEK for the waiting line's quiet question (`_hang_probe`)."""
     asked = []
     for rank in ranks:
         try:
@@ -40,7 +42,7 @@ def ask_ranks(folder: RunFolder, ranks: list[int]) -> list[int]:
                 raise
             continue
         try:
-            os.write(pipe, b"?")
+            os.write(pipe, what)
             asked.append(rank)
         except OSError:  # the rank went away meanwhile
             pass
@@ -181,6 +183,29 @@ def build_report(answers: dict[int, dict | None], lines: dict[int, str], exit_co
     collectives = {rank: (answer or {}).get("collectives", []) for rank, answer in answers.items()}
     cause = _cause(rows, collectives, answers, in_cell)
     return HangReport(tuple(rows), cause[0].upper() + cause[1:], collectives)
+
+
+def unfinished_line(answers: dict[int, dict]) -> str:
+    """The waiting line's clause from the ranks' peek answers (`_hang_probe._unfinished`): per rank, the
+    collective it has not finished (on nccl one it launched and went on from counts too), or its blocking send
+    or recv; ranks alike are named together. "" when no rank answered."""
+    said: dict[str, list[int]] = {}
+    for rank in sorted(answers):
+        answer = answers[rank]
+        collective, p2p = _waiting_collective(answer), answer.get("point_to_point")
+        if collective is not None:
+            group = "" if collective["group"] == "world" else f" ({collective['group']})"
+            what = f"{collective['op']} #{collective['number']}{group}"
+        elif p2p is not None:
+            what = f"{p2p['op']} {'to' if p2p['op'] == 'send' else 'from'} rank {p2p['peer']}"
+        elif answer.get("recorder") is False:
+            what = "unknown (the flight recorder is off)"
+        else:
+            what = "no collective"
+        said.setdefault(what, []).append(rank)
+    if not said:
+        return ""
+    return "not finished: " + "; ".join(f"{_names(ranks)} {what}" for what, ranks in said.items())
 
 
 def _names(ranks: list[int]) -> str:

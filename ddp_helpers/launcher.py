@@ -79,7 +79,8 @@ def follow(engine: Engine, config: LaunchConfig, folder: RunFolder) -> RunResult
     streamer = RankOutputStreamer(folder, config.world_size, enabled=config.stream, color=color)
     start = time.monotonic()
     timed_out, stopped = False, None
-    waiting = WaitingLine(config.timeout_s, enabled=config.stream)
+    waiting = WaitingLine(config.timeout_s, enabled=config.stream, ask=engine.ask_what_is_unfinished,
+                          answers=lambda: folder.take_peek_answers(config.world_size))
     try:
         engine.start(run_id)
         # The timeout counts from the run's start: not the wait for a warm process still starting.
@@ -103,6 +104,7 @@ def follow(engine: Engine, config: LaunchConfig, folder: RunFolder) -> RunResult
     finally:  # normal end, timeout, KeyboardInterrupt (stop button) or any error: nothing of the run survives
         waiting.clear()
         _stop(engine, streamer)
+        folder.take_peek_answers(config.world_size)  # the waiting line's last answers: nothing of it stays
     if stopped is not None:
         _show_where_each_rank_was(config, folder, engine, streamer, time.monotonic() - start)
         raise stopped

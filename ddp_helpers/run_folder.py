@@ -19,7 +19,9 @@
                                      its first attempt: an exercise's data comes from it, and its checker reads it
         rank0.stack                  every thread's stack, written when a timed-out run asks (SIGUSR1)
         rank0.hang.request           a named pipe: the launcher opens it when a run times out, and rank 0
-                                     answers with rank0.hang.json, what it waits in (`_hang_probe`)
+                                     answers with rank0.hang.json, what it waits in (`_hang_probe`);
+        rank0.peek.json              what rank 0 has not finished, asked while the run is silent (the waiting
+                                     line), removed as the launcher reads it
         flight_recorder/rank0        torch's flight-recorder dump, beside it (`torchfrtrace` reads it)
         facts/rank0/<name>.json|.pt  values recorded with `ddp_helpers.record`
         pipes/rank0.stdout           the pipes a rank writes its output into while the supervisor runs
@@ -37,12 +39,13 @@ No other module spells these names: each file has its methods here.
 - Written by the ranks (light: no torch import): `from_environment()`, `write_identity(RankIdentity)`,
   `write_error(RankErrorRecord)`, `clear_error(rank)`, `write_exit(rank, code)`,
   `write_evidence(rank, files_written=, point_to_point=, all_reduced=, collectives=, channel_bytes=)`,
-  `note_crossing(rank, name, how)`, `write_hang_answer(rank, answer)`,
+  `note_crossing(rank, name, how)`, `write_hang_answer(rank, answer)`, `write_peek_answer(rank, answer)`,
   `belongs_to_this_launch()`, `rank_secret(rank)` (drawn once, then read).
 - Written by the supervisor: `write_outcome(outcome, agent=None)`.
 - Read by the launcher: `claim(path)`, `start_launch(run_id)`, `release()`, `read_identity(rank)`,
   `rank_pid(rank)`, `rank_pids(world_size)`, `read_error(rank)`, `read_exit_code(rank)`,
-  `read_evidence(rank)`, `read_hang_answer(rank)`, `read_outcome(agent=None)`, `read_text(path)`,
+  `read_evidence(rank)`, `read_hang_answer(rank)`, `take_peek_answers(world_size)`, `read_outcome(agent=None)`,
+  `read_text(path)`,
   `read_secret(rank)` (for checkers).
 
 Safety rules:
@@ -87,7 +90,7 @@ NODE_ENV = "DDP_HELPERS_NODE"
 LOOPBACK_ENV = "DDP_HELPERS_LOOPBACK_ONLY"
 # One rank's files: rankN.<kind> here and in pipes/, flight_recorder/rankN, facts/rankN/ (`rank_file_owner`).
 _RANK_KINDS = ("stdout", "stderr", "pid", "error.json", "exit.json", "writes.json", "p2p.json", "all_reduced.json",
-               "collectives.json", "channel_bytes.json", "secret", "stack", "hang.request", "hang.json", "crossings")
+               "collectives.json", "channel_bytes.json", "secret", "stack", "hang.request", "hang.json", "peek.json", "crossings")
 _RANK_FILE = re.compile(r"rank(\d+)(?:\.(" + "|".join(map(re.escape, _RANK_KINDS)) + "))?")
 _TEMPORARY = re.compile(r"\.(.+)\.\w+\.tmp")  # write_atomically's, for the file it will replace
 _AGENT_OUTCOME = re.compile(r"agent\d+\.outcome\.json")
@@ -493,6 +496,20 @@ class RunFolder:
 
     def write_hang_answer(self, rank: int, answer: dict) -> None:
         self.write_json(self._rank_file(rank, "hang.json"), {"rank": rank, **answer})
+
+    def write_peek_answer(self, rank: int, answer: dict) -> None:
+        """The waiting line's answer (`_hang_probe._unfinished`): what the rank has not finished."""
+        self.write_json(self._rank_file(rank, "peek.json"), answer)
+
+    def take_peek_answers(self, world_size: int) -> dict[int, dict]:
+        """The waiting line's answers that came in since the last take, removed as read: the next ones are fresh."""
+        answers = {}
+        for rank in range(world_size):
+            answer = self.read_own_json(self._rank_file(rank, "peek.json"))
+            if answer is not None:
+                answers[rank] = answer
+                self._rank_file(rank, "peek.json").unlink(missing_ok=True)
+        return answers
 
     def remove_empty_stack_files(self, world_size: int) -> None:
         for rank in range(world_size):

@@ -295,3 +295,24 @@ def test_pressing_stop_shows_where_each_rank_was_then_stops_the_run(write_script
     assert "What each rank was waiting in when the run was stopped:" in shown and cause in shown, shown
     pids = [int(p.read_text().split()[0]) if p.read_text()[:1].isdigit() else None for p in run_dir.glob("rank*.pid")]
     assert all(pid is None or process_is_dead(pid) for pid in pids)
+
+
+def test_the_waiting_lines_clause_names_each_ranks_unfinished_call_and_groups_ranks_alike():
+    from ddp_helpers.hang import unfinished_line
+
+    def collective(op, number, returned, group="world"):
+        return {"op": op, "number": number, "returned": returned, "group": group, "shapes": [[3]], "dtypes": ["float"]}
+
+    answers = {
+        0: {"collectives": [collective("barrier", 0, True), collective("all_reduce", 1, False)], "recorder": True},
+        1: {"collectives": [collective("barrier", 0, True)], "recorder": True,
+            "point_to_point": {"op": "recv", "peer": 3, "number": 2, "shape": [3], "dtype": "float32"}},
+        2: {"collectives": [collective("all_reduce", 1, False)], "recorder": True},
+        3: {"collectives": [collective("all_gather", 4, False, group="tp")], "recorder": True},
+        4: {"collectives": [collective("barrier", 0, True)], "recorder": True},
+        5: {"collectives": [], "recorder": False},
+    }
+    assert unfinished_line(answers) == ("not finished: ranks 0 and 2 all_reduce #1; rank 1 recv from rank 3; "
+                                        "rank 3 all_gather #4 (tp); rank 4 no collective; "
+                                        "rank 5 unknown (the flight recorder is off)")
+    assert unfinished_line({}) == ""

@@ -1,5 +1,7 @@
 """Streaming each rank's output files into the notebook, line by line, with a rank prefix."""
 
+import re
+
 from ddp_helpers.output import RankOutputStreamer
 from ddp_helpers.run_folder import RunFolder
 
@@ -190,3 +192,34 @@ def test_a_silent_run_gets_one_waiting_line_that_goes_when_a_rank_prints(write_s
     chatty = write_script("chatty", "import time\nfor _ in range(8):\n    print('.', flush=True)\n    time.sleep(0.3)\n")
     assert run_on_cpu(chatty, timeout_s=60).ok
     assert "no rank has printed" not in capfd.readouterr().err
+
+
+def test_the_waiting_line_names_the_collective_each_rank_has_not_finished_and_leaves_nothing_behind(
+        write_script, capfd, monkeypatch):
+    """While a run is silent the line asks the ranks, quietly, what they have not finished: rank 0 in an all_reduce
+    that rank 1 joins late. The run then ends well, and nothing of the asking is left: no answer file, no stack."""
+    from ddp_helpers import waiting_line
+    from support import failure_report, run_on_cpu
+
+    monkeypatch.setattr(waiting_line, "SILENT_FOR_S", 1.0)
+    monkeypatch.setattr(waiting_line, "ASK_EVERY_S", 0.5)
+    script = write_script("late", """
+        import time
+        import torch
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        print("ready", flush=True)
+        if rank == 1:
+            time.sleep(6)  # late for the all_reduce rank 0 waits in
+        dist.all_reduce(torch.ones(3))
+        print("done", flush=True)
+        dist.destroy_process_group()
+    """)
+    run = run_on_cpu(script, nproc=2, timeout_s=60)
+    assert run.ok, failure_report(run)
+    err = capfd.readouterr().err
+    assert re.search(r"Not finished: rank 0 all_reduce #\d+; rank 1 no collective\.", err), err
+    left = sorted(p.name for p in run.run_dir.iterdir() if p.name.endswith((".peek.json", ".stack", ".hang.json")))
+    assert left == [], left
+    assert not (run.run_dir / "flight_recorder").exists()

@@ -42,9 +42,12 @@ dist.destroy_process_group()
 
 SLEEPER = """
 import time
+import torch
 import torch.distributed as dist
 dist.init_process_group("gloo")
 print("started", flush=True)
+if dist.get_rank() == 0:
+    dist.all_reduce(torch.ones(1))  # which no other rank calls: where the stop report finds rank 0
 time.sleep(300)
 """
 
@@ -131,7 +134,7 @@ LAUNCHING_PROCESS = textwrap.dedent(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from ddp_helpers import launch, make_launch_config
     from ddp_helpers.engines.slurm import SlurmJob
-    config = make_launch_config(sys.argv[1], job=SlurmJob(nodes=2), nproc=2, timeout_s=200, stream=False,
+    config = make_launch_config(sys.argv[1], job=SlurmJob(nodes=2), nproc=2, timeout_s=200, stream=True,
                                 run_dir=sys.argv[2])
     try:
         launch(config)
@@ -156,8 +159,11 @@ def test_stopping_the_cell_or_killing_the_kernel_cancels_the_job(cluster, write_
         launcher.send_signal(how)
         wait_until(lambda: not cluster.jobs(), 30, "the job is cancelled")
         wait_until(lambda: not processes_left(RUN_ID_ENV, marker), 15, "no process of the job is left")
-        if how == signal.SIGINT:
-            assert "launcher saw KeyboardInterrupt" in launcher.communicate(timeout=60)[0]
+        if how == signal.SIGINT:  # and the stop button says where each rank was, as a timeout does
+            said = launcher.communicate(timeout=60)[0]
+            assert "launcher saw KeyboardInterrupt" in said
+            assert "What each rank was waiting in when the run was stopped" in said, said
+            assert re.search(r"^0 +all_reduce +#\d+", said, re.M), said
     finally:
         launcher.kill()
         launcher.wait()

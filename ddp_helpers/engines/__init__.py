@@ -302,6 +302,11 @@ class Engine(abc.ABC):
         """Between two polls: return after `seconds`, or as soon as the run ended, where the engine can tell."""
         time.sleep(seconds)
 
+    def ask_what_is_unfinished(self) -> None:
+        """The run has been silent a while: ask its ranks, quietly, what they have not finished (`_hang_probe.PEEK`;
+        each answers with a file the waiting line reads, `RunFolder.take_peek_answers`). An engine that cannot
+        reach its ranks does nothing, and the line says less."""
+
     def on_timeout(self, output: OutputPump, why: str = "timed out") -> None:
         """The deadline passed (`why` "timed out"), or stop was pressed ("stopped"), and the run still goes on:
         what to gather before it is stopped (poll `output` while waiting, so that the ranks' last lines still

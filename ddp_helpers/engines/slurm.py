@@ -291,6 +291,10 @@ class SlurmEngine(Engine):
         self._queued = (detail if detail not in ("", "None") else "") if state == "PENDING" else None
         return True
 
+    def ask_what_is_unfinished(self) -> None:
+        started = [rank for rank in range(self.config.world_size) if self.folder.read_identity(rank) is not None]
+        hang.ask_ranks_by_file(self.folder, started, hang.PEEK)
+
     def on_timeout(self, output: OutputPump, why: str = "timed out") -> None:
         """Ask every rank that started for its stacks and what it waits in (files on the shared run folder: a
         thread of each rank answers, `_hang_probe`), wait for the answers, then let the job be cancelled."""

@@ -172,6 +172,9 @@ class LocalEngine(Engine):
                 return None
         return self._supervisor_pidfd
 
+    def ask_what_is_unfinished(self) -> None:
+        hang.ask_ranks(self.folder, list(range(self.config.world_size)), hang.PEEK)  # a rank gone is skipped
+
     def on_timeout(self, output: OutputPump, why: str = "timed out") -> None:
         dump_stacks_of_live_ranks(self.config, self.folder, output, why)
 

@@ -44,6 +44,12 @@ def serve(folder: RunFolder, rank: int, stack_file) -> None:
         _PipeRequests(folder.hang_request(rank))
     threading.Thread(target=_answer_requests, args=(folder, rank, requests, stack_file),
                      name="ddp_helpers-hang-probe", daemon=True).start()
+    threading.Thread(target=_prepare_the_dump, name="ddp_helpers-hang-probe-prepare", daemon=True).start()
+
+
+# Set once the first dump with stack traces is done (`_prepare_the_dump`): from then on an answer names the
+# script's line of each collective at no cost; before, it leaves them out rather than answer late.
+_prepared = threading.Event()
 
 
 class _PipeRequests:
@@ -90,11 +96,8 @@ class _FileRequests:
 
 
 def _answer_requests(folder: RunFolder, rank: int, requests, stack_file) -> None:
-    prepared = False
     while True:
         try:
-            if not prepared:
-                prepared = _prepare_the_dump(requests)
             requests.pending(None)  # blocks until the launcher asks
             asked = requests.take()
             if REPORT not in asked:
@@ -105,19 +108,20 @@ def _answer_requests(folder: RunFolder, rank: int, requests, stack_file) -> None
             # thread holds the interpreter lock, no other thread's frames change under the dump.
             faulthandler.dump_traceback(file=stack_file, all_threads=True)
             stack_file.flush()
-            folder.write_hang_answer(rank, _what_this_rank_waits_in(folder, rank))
+            folder.write_hang_answer(rank, _what_this_rank_waits_in(folder, rank, with_lines=_prepared.is_set()))
         except Exception as error:  # noqa: BLE001 - the report is a courtesy: it must never end the rank
             print(f"[ddp_helpers] the hang report of rank {rank} failed: {error!r}", file=sys.stderr)
             return
 
 
-def _prepare_the_dump(requests) -> bool:
-    """Once the script has a process group, dump the flight recorder once and throw the dump away: the first
-    dump with stack traces imports what torch needs to name their lines (torch._dynamo and sympy, some 800
-    modules: 2-4 s in a cold rank, more under load), and a rank asked only after a timeout would not answer
-    in time. A warm rank has them imported already (the warm process did). Returns False if asked first
-    (then called again after the answer), True once prepared."""
-    while not requests.pending(PREPARE_POLL_S):
+def _prepare_the_dump() -> None:
+    """Once the script has a process group, dump the flight recorder with stack traces once and throw the dump
+    away: the first such dump imports what torch needs to name their lines (torch._dynamo and sympy, some 800
+    modules: 2-4 s in a cold rank, far more on a loaded machine). Its own thread, so that an answer never waits
+    for it: one asked before it is done leaves the lines out (the report then takes them from the stacks). A
+    warm rank has the modules imported already (the warm process did)."""
+    while True:
+        time.sleep(PREPARE_POLL_S)
         is_initialized = getattr(sys.modules.get("torch.distributed"), "is_initialized", None)  # None while it loads
         try:
             if is_initialized is None or not is_initialized():
@@ -126,8 +130,8 @@ def _prepare_the_dump(requests) -> bool:
                 dump_trace(True, True, False)
         except Exception:  # noqa: BLE001 - only a preparation: the answer will say what fails
             pass
-        return True
-    return False
+        _prepared.set()
+        return
 
 
 def _unfinished(rank: int) -> dict:
@@ -141,11 +145,11 @@ def _unfinished(rank: int) -> dict:
             "point_to_point": _point_to_point.waiting or _point_to_point.unfinished(), "recorder": _recorder_is_on()}
 
 
-def _what_this_rank_waits_in(folder: RunFolder, rank: int) -> dict:
+def _what_this_rank_waits_in(folder: RunFolder, rank: int, with_lines: bool = True) -> dict:
     collectives = []
     for dump_trace in _recorders():
-        # With stack traces: the line of the script that called each collective (about 1 s the first time).
-        dump = pickle.loads(dump_trace(True, True, False))  # collectives, stack traces, not only the active ones
+        # With stack traces (once prepared): the line of the script that called each collective.
+        dump = pickle.loads(dump_trace(True, with_lines, False))  # collectives, not only the active ones
         if not dump.get("entries"):
             continue
         write_atomically(folder.flight_recorder_dump(rank), pickle.dumps(_analysable(dump)))

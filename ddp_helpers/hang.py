@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
+import time
 from dataclasses import dataclass, field
 
 from ._hang_probe import PEEK, REPORT
@@ -23,21 +25,26 @@ from .stacks import fold_stack, is_importing
 ANSWER_WAIT_S = 5.0
 
 
-def ask_ranks_by_file(folder: RunFolder, ranks: list[int], what: bytes = REPORT) -> list[int]:
-    """Ask each rank by writing its request as a file (a cluster job's ranks, `_hang_probe._FileRequests`)."""
-    for rank in ranks:
-        write_atomically(folder.hang_request(rank), what)
-    return list(ranks)
-
-
-def ask_ranks(folder: RunFolder, ranks: list[int], what: bytes = REPORT) -> list[int]:
-    """Write into each rank's request pipe (the rank's probe thread answers); the ranks that were asked. `what`:
-    REPORT for the hang report, PEEK for the waiting line's quiet question (`_hang_probe`)."""
+def ask(folder: RunFolder, ranks: list[int], what: bytes = REPORT) -> list[int]:
+    """Ask each rank's probe thread (`_hang_probe`): through the named pipe the rank made, where it made one (a
+    rank on this machine), else as a file in the run folder (a rank on another machine looks for one,
+    `_hang_probe._FileRequests`; one that has not started yet replaces it with its pipe as it starts). `what`:
+    REPORT for the hang report, PEEK for the waiting line's quiet question. Returns the ranks asked (a rank
+    whose pipe nobody reads any more is gone, and skipped)."""
     asked = []
     for rank in ranks:
+        path = folder.hang_request(rank)
         try:
-            pipe = os.open(folder.hang_request(rank), os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as error:  # ENXIO: nobody reads it (a rank that is gone); ENOENT: not started
+            is_pipe = stat.S_ISFIFO(os.lstat(path).st_mode)
+        except FileNotFoundError:
+            is_pipe = False
+        if not is_pipe:
+            write_atomically(path, what)
+            asked.append(rank)
+            continue
+        try:
+            pipe = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as error:  # ENXIO: nobody reads it (a rank that is gone); ENOENT: gone meanwhile
             if error.errno not in (errno.ENXIO, errno.ENOENT):
                 raise
             continue
@@ -49,6 +56,15 @@ def ask_ranks(folder: RunFolder, ranks: list[int], what: bytes = REPORT) -> list
         finally:
             os.close(pipe)
     return asked
+
+
+def wait_for_answers(folder: RunFolder, ranks: list[int], poll, seconds: float) -> None:
+    """Until every rank in `ranks` has written its hang answer, at most `seconds`, calling `poll` (the launcher's
+    output streaming) meanwhile so that the ranks' last lines still show."""
+    until = time.monotonic() + seconds
+    while ranks and time.monotonic() < until and not all(folder.hang_answered(rank) for rank in ranks):
+        poll()
+        time.sleep(0.05)
 
 
 @dataclass(frozen=True)

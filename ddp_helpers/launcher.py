@@ -37,6 +37,7 @@ from .processes import run_despite_interrupts
 from .readback import collect_result
 from .waiting_line import WaitingLine
 from .result import RunResult
+from .private_folders import claim_run_folder
 from .run_folder import RunFolder
 
 
@@ -63,7 +64,7 @@ def launch(config: LaunchConfig, folder: RunFolder | None = None) -> RunResult:
         raise LaunchError("this LaunchConfig names no job to run it: make it with make_launch_config.")
     own_folder = folder is None
     if own_folder:
-        folder = RunFolder.claim(config.run_dir)
+        folder = claim_run_folder(config.run_dir)
     try:
         return follow(config.job.engine(config, folder), config, folder)
     finally:

@@ -35,7 +35,7 @@ from .engines import Job, option_text, registered_jobs
 from .errors import LaunchError
 from .launcher import launch
 from .result import RunFailed
-from .run_folder import RunFolder
+from .private_folders import claim_run_folder
 
 
 class RunFailedInCell(RunFailed):
@@ -104,7 +104,7 @@ class TorchrunMagics(Magics):
             script, run_dir = cell_paths(notebook_key(notebook), name)
             # Held from the script's writing to the end of the run: another kernel running the same cell
             # of the same notebook can neither replace the script under the ranks nor mix in its results.
-            folder = RunFolder.claim(run_dir)
+            folder = claim_run_folder(run_dir)
         except SyntaxError as error:
             sys.stderr.write("".join(traceback.format_exception_only(type(error), error)))
             raise UsageError(f"The cell has a syntax error (line {error.lineno} of the cell); nothing was launched."

@@ -20,7 +20,7 @@ import stat
 from pathlib import Path
 
 from .errors import LaunchError
-from .run_folder import make_private_dirs
+from .run_folder import RunFolder, make_private_dirs, runs_root
 
 _FIX = ("Set DDP_HELPERS_RUNS to a folder of your own that only you can write, for example "
         "`export DDP_HELPERS_RUNS=$HOME/ddp-runs` before starting Jupyter, or `%env DDP_HELPERS_RUNS=...` in the "
@@ -78,8 +78,6 @@ def _problem(folder: Path, private_top: Path | None) -> str | None:
 
 def private_top(folder: Path) -> Path:
     """Where the private part of `folder`'s path begins: the runs root for a folder under it, else `folder`."""
-    from .run_folder import runs_root
-
     root = runs_root()
     return root if folder == root or root in folder.parents else folder
 
@@ -109,3 +107,13 @@ def private_folder(folder: Path, top: Path | None = None) -> Path:
                           f"folder must be somewhere you can write. {_FIX}") from None
     check_private(folder, top)  # what appeared meanwhile is judged too
     return folder
+
+
+def claim_run_folder(path) -> RunFolder:
+    """`RunFolder.claim` under this module's rules: the folders above the run folder are made private (or
+    refused), and so is the run folder itself, before a launch writes anything in it."""
+    import os
+
+    top = private_top(Path(os.path.abspath(path)))
+    return RunFolder.claim(path, make_parent=lambda parent: private_folder(parent, top),
+                           check=lambda folder: check_private(folder, top))

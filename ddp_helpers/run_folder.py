@@ -75,6 +75,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Callable
 
 
 RUN_DIR_ENV = "DDP_HELPERS_RUN_DIR"
@@ -533,24 +534,25 @@ class RunFolder:
     # ---- reader half: used by the launcher ------------------------------------------------------
 
     @classmethod
-    def claim(cls, path: str | os.PathLike) -> "RunFolder":
-        """Create the folder (marked as ours) or reuse one we made, and lock it for one launch.
+    def claim(cls, path: str | os.PathLike, make_parent: Callable[[Path], object],
+              check: Callable[[Path], None]) -> "RunFolder":
+        """Create the folder (marked as ours) or reuse one we made, and lock it for one launch. `make_parent`
+        makes (and vets) the folder above it, `check` vets the folder itself: the policy of who may own them is
+        `private_folders.claim_run_folder`'s, which every launch calls.
 
         Raises:
             LaunchError: the path exists but ddp_helpers did not make it (nothing is touched), or
                 another launch is using the folder right now.
         """
         from .errors import LaunchError  # here: the zygote stub loads this module outside the package
-        from .private_folders import check_private, private_folder, private_top
 
         # Not resolved: a symbolic link where the runs root should be is refused, not followed.
         folder = cls(Path(os.path.abspath(path)))
         target = folder.path
-        top = private_top(target)
-        private_folder(target.parent, top)
+        make_parent(target.parent)
         if not (target / MARKER_NAME).is_file():  # ours only by our own marker: nothing else is ever emptied
             folder._create_marked(target)
-        check_private(target, top)  # a marked folder someone else made is refused too
+        check(target)  # a marked folder someone else made is refused too
         lock_fd = os.open(target / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

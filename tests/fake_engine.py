@@ -2,7 +2,8 @@
 that declares its own `%%torchrun` option (--plain-processes) and checks its own options, and the `Engine`
 the launcher's loop drives. It "runs" each rank as a plain subprocess (no torchrun, no agent), started with
 the rank contract every engine uses (`engines.rank_command`): enough to prove that `launcher.launch` and the
-magic follow any engine the same way (options, streaming, deadline, stop, read-back, the learner's modules)."""
+magic follow any engine the same way (options, streaming, deadline, stop, read-back, the learner's modules),
+and that it gets the hang report and the waiting line without a line of its own for them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ddp_helpers.engines import (Ending, Engine, Job, LaunchConfig, LaunchReques
 from ddp_helpers.errors import LaunchError
 from ddp_helpers.processes import kill_process_groups
 from ddp_helpers.run_folder import RunFolder
+from support import free_port
 
 
 @register_job
@@ -50,9 +52,10 @@ class PlainProcessesEngine(Engine):
     def start(self, run_id: str) -> None:
         config = self.config
         command = rank_command(config, run_id)
+        port = free_port()  # for a script that makes a process group (env://)
         for rank in range(config.world_size):
             env = {**command.environment(), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                   "WORLD_SIZE": str(config.world_size), "MASTER_ADDR": "127.0.0.1"}
+                   "WORLD_SIZE": str(config.world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             self.processes.append(subprocess.Popen([sys.executable, *command.argv], env=env, cwd=config.working_dir,
                                                    stdin=subprocess.DEVNULL, start_new_session=True))
 

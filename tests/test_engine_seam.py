@@ -47,6 +47,18 @@ def test_the_loops_deadline_stops_a_third_engines_ranks(write_script):
     assert pids and all(process_is_dead(pid) for pid in pids), "the stop left a rank running"
 
 
+def test_a_third_engine_gets_the_hang_report_without_writing_one(write_script):
+    """The engine base asks the ranks' probe threads (`Engine.on_timeout`): the fake engine has no hang code."""
+    from test_hang import HANGS, PREAMBLE
+
+    body, cause = HANGS["a collective one rank never calls"]
+    run = launch(make_launch_config(write_script("hangs", PREAMBLE + body), nproc=2, timeout_s=15, stream=False,
+                                    job=PlainProcessesJob()))
+    assert run.timed_out and run.hang is not None, run.summary()
+    assert cause in run.hang.cause, run.hang.text()
+    assert all("where rank" in rank.stderr for rank in run.ranks), [rank.stderr[-300:] for rank in run.ranks]
+
+
 def test_a_job_checks_its_own_options_and_refuses_another_jobs(write_script):
     with pytest.raises(LaunchError, match=r"nnodes is for runs on this machine, not for plain processes \(--plain"):
         make_launch_config(write_script("who", WHO), nnodes=2, job=PlainProcessesJob())

@@ -16,6 +16,7 @@ from ddp_helpers import LaunchError, RunFailed
 from ddp_helpers.cells import notebook_key
 from ddp_helpers.config import runs_root
 from ddp_helpers.engines.local.engine import HANG_REPORT_WAIT_S, STACK_DUMP_WAIT_S, STOP_BOUND_S
+from ddp_helpers.private_folders import claim_run_folder
 from ddp_helpers.run_folder import MARKER_NAME, RankErrorRecord, RunFolder
 from support import failure_report, run_on_cpu
 
@@ -65,11 +66,11 @@ def test_two_scripts_with_one_name_get_two_run_folders(tmp_path):
 
 def test_a_run_folder_we_made_is_emptied_at_the_next_launch_and_only_then(tmp_path):
     path = tmp_path / "run"
-    with RunFolder.claim(path) as folder:
+    with claim_run_folder(path) as folder:
         folder.start_launch("first")
         (path / "stale.txt").write_text("from the first launch")
     assert (path / MARKER_NAME).is_file()
-    with RunFolder.claim(path) as folder:
+    with claim_run_folder(path) as folder:
         assert (path / "stale.txt").exists(), "claiming alone must not delete anything"
         folder.start_launch("second")
         assert not (path / "stale.txt").exists()
@@ -99,7 +100,7 @@ def test_a_second_launch_into_a_busy_run_folder_is_refused(write_script, tmp_pat
 
 
 def test_files_of_another_launch_are_not_read_back(tmp_path):
-    with RunFolder.claim(tmp_path / "run") as folder:
+    with claim_run_folder(tmp_path / "run") as folder:
         folder.start_launch("mine")
         other = RunFolder(folder.path, "someone-else")
         other.write_error(RankErrorRecord(rank=0, time=0, type="X", message="", traceback=""))
@@ -358,7 +359,7 @@ def test_a_folder_is_ours_only_by_our_marker(tmp_path):
     (tmp_path / "grammar" / "keep.txt").write_text("mine")
     (tmp_path / "grammar.py").write_text("# Generated from Grammar.g4 by ANTLR 4.13\n")
     with pytest.raises(LaunchError, match="did not create"):
-        RunFolder.claim(tmp_path / "grammar")
+        claim_run_folder(tmp_path / "grammar")
     assert (tmp_path / "grammar" / "keep.txt").read_text() == "mine"
 
 

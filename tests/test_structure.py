@@ -140,8 +140,9 @@ def test_the_packages_modules_import_one_another_without_a_circle():
     assert_no_circle(import_graph())
 
 
-def test_no_circle_either_counting_the_imports_made_for_annotations():
+def test_no_circle_either_counting_the_imports_made_for_annotations_and_in_functions():
     assert_no_circle(import_graph(annotations=True))
+    assert_no_circle(import_graph(annotations=True, in_functions=True))
 
 
 def test_the_import_graph_sees_a_circle_when_there_is_one():

@@ -23,6 +23,7 @@ import importlib
 import os
 import pkgutil
 import re
+import sys
 import time
 import types
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Protocol
 
+from .. import hang
 from ..errors import LaunchError
 from ..python_command import python_module
 from ..run_folder import IMPORT_DIR_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder, default_run_dir
@@ -284,7 +286,12 @@ class OutputPump(Protocol):
 
 class Engine(abc.ABC):
     """Runs one launch's ranks. The launcher calls `start`, then `running` until it is False or the deadline
-    passes (then `on_timeout`), then `stop` (always, once), then `ending`."""
+    passes (then `on_timeout`), then `stop` (always, once), then `ending`. An engine keeps its launch's
+    `config` (LaunchConfig) and `folder` (RunFolder) as attributes: the hang report and the waiting line,
+    which every engine inherits, read them."""
+
+    config: LaunchConfig
+    folder: RunFolder
 
     #: how often the launcher polls (and streams output) while the run goes on
     poll_interval_s: float = 0.05
@@ -302,15 +309,30 @@ class Engine(abc.ABC):
         """Between two polls: return after `seconds`, or as soon as the run ended, where the engine can tell."""
         time.sleep(seconds)
 
+    def ranks_to_ask(self) -> list[int]:
+        """The ranks a timeout, a stop press or the waiting line asks: those whose bootstrap started."""
+        return [rank for rank in range(self.config.world_size) if self.folder.read_identity(rank) is not None]
+
     def ask_what_is_unfinished(self) -> None:
-        """The run has been silent a while: ask its ranks, quietly, what they have not finished (`_hang_probe.PEEK`;
-        each answers with a file the waiting line reads, `RunFolder.take_peek_answers`). An engine that cannot
-        reach its ranks does nothing, and the line says less."""
+        """The run has been silent a while: ask its ranks, quietly, what they have not finished (`hang.PEEK`;
+        each answers with a file the waiting line reads, `RunFolder.take_peek_answers`)."""
+        hang.ask(self.folder, self.ranks_to_ask(), hang.PEEK)
 
     def on_timeout(self, output: OutputPump, why: str = "timed out") -> None:
         """The deadline passed (`why` "timed out"), or stop was pressed ("stopped"), and the run still goes on:
-        what to gather before it is stopped (poll `output` while waiting, so that the ranks' last lines still
-        show)."""
+        gather what the hang report needs before the run is stopped. Every engine gets the report this way: its
+        ranks' probe threads answer through the run folder (`hang.ask`) with what each waits in and its stacks,
+        while `output` is polled so that the ranks' last lines still show. An engine may add to it (the local
+        one signals a rank whose thread did not answer)."""
+        said = f"no result after {self.config.timeout_s:g} s" if why == "timed out" else "stopped"
+        print(f"[ddp_helpers] {said}: asking every rank that started for its stack, then {self.stopping}.",
+              file=sys.stderr, flush=True)
+        # A rank that reads requests from a file looks every PREPARE_POLL_S, and a shared file system is slower.
+        hang.wait_for_answers(self.folder, hang.ask(self.folder, self.ranks_to_ask()), output.poll,
+                              hang.ANSWER_WAIT_S + 1)
+
+    #: what `stop` will do, as the timeout's message says it
+    stopping: str = "stopping the run"
 
     @abc.abstractmethod
     def stop(self) -> None:

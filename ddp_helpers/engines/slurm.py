@@ -291,23 +291,9 @@ class SlurmEngine(Engine):
         self._queued = (detail if detail not in ("", "None") else "") if state == "PENDING" else None
         return True
 
-    def ask_what_is_unfinished(self) -> None:
-        started = [rank for rank in range(self.config.world_size) if self.folder.read_identity(rank) is not None]
-        hang.ask_ranks_by_file(self.folder, started, hang.PEEK)
-
-    def on_timeout(self, output: OutputPump, why: str = "timed out") -> None:
-        """Ask every rank that started for its stacks and what it waits in (files on the shared run folder: a
-        thread of each rank answers, `_hang_probe`), wait for the answers, then let the job be cancelled."""
-        started = [rank for rank in range(self.config.world_size) if self.folder.read_identity(rank) is not None]
-        said = f"no result after {self.config.timeout_s:g} s" if why == "timed out" else "stopped"
-        print(f"[ddp_helpers] {said}: asking every rank that started for its "
-              f"stack, then cancelling Slurm job {self.job_id}.", file=sys.stderr, flush=True)
-        asked = hang.ask_ranks_by_file(self.folder, started)
-        # A rank looks for the request every PREPARE_POLL_S, and the shared file system may be slower still.
-        until = time.monotonic() + hang.ANSWER_WAIT_S + 1
-        while asked and time.monotonic() < until and not all(self.folder.hang_answered(rank) for rank in asked):
-            output.poll()
-            time.sleep(0.05)
+    @property
+    def stopping(self) -> str:  # the inherited hang report asks the job's ranks through the shared run folder
+        return f"cancelling Slurm job {self.job_id}"
 
     def stop(self) -> None:
         """The job does not outlive the cell: cancelled unless it ended."""

@@ -172,9 +172,6 @@ class LocalEngine(Engine):
                 return None
         return self._supervisor_pidfd
 
-    def ask_what_is_unfinished(self) -> None:
-        hang.ask_ranks(self.folder, list(range(self.config.world_size)), hang.PEEK)  # a rank gone is skipped
-
     def on_timeout(self, output: OutputPump, why: str = "timed out") -> None:
         dump_stacks_of_live_ranks(self.config, self.folder, output, why)
 
@@ -291,7 +288,7 @@ def dump_stacks_of_live_ranks(config: LaunchConfig, folder: RunFolder, streamer:
             if (pid := folder.rank_pid(rank)) is not None and not process_is_dead(pid)]
     # A thread of each rank writes its stacks, then what it waits in (`_hang_probe`). SIGUSR1 (faulthandler)
     # only for a rank whose thread did not answer: the signal is the script's to own.
-    reporting = hang.ask_ranks(folder, live)
+    reporting = hang.ask(folder, live)
     until = time.monotonic() + HANG_REPORT_WAIT_S
     while reporting and time.monotonic() < until:
         streamer.poll()

@@ -52,9 +52,10 @@ def run_script(script, **options) -> "RunResult":
     return launch(make_launch_config(script, **options))
 
 
-def load_ipython_extension(ipython) -> None:
+def load_ipython_extension(ipython, name: str = __name__) -> None:
     """`%load_ext ddp_helpers` registers the %%torchrun cell magic, and starts the warm process the
-    launches fork their ranks from (in the background: it is ready a few seconds later)."""
+    launches fork their ranks from (in the background: it is ready a few seconds later). `name`: the
+    extension IPython loaded (`ddp_helpers.course` loads this one too)."""
     from .engines.local.engine import prepare_warm_launches
     from .magic import register
 
@@ -66,7 +67,7 @@ def load_ipython_extension(ipython) -> None:
     events, manager = getattr(ipython, "events", None), getattr(ipython, "extension_manager", None)
     if events is not None and manager is not None:
         def forget_loaded(*_):
-            manager.loaded.discard(__name__)
+            manager.loaded.discard(name)
             events.unregister("post_run_cell", forget_loaded)
 
         events.register("post_run_cell", forget_loaded)

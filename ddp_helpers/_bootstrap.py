@@ -7,8 +7,11 @@ Every rank runs the user's script through this tiny wrapper, which
 - dumps every thread's stack on SIGUSR1 into its stack file, and what it waits in into its hang answer
   when asked through its hang request (the launcher asks both on timeout; `_hang_probe`);
 - records the exception that ended the rank, with its time, so the launcher can name the first failure;
-- notes every file the script opens for writing or renames into place (a Python audit hook), so a
-  checker can see who wrote a file instead of trusting what the script says about itself;
+- logs the script's point-to-point calls (`_point_to_point`: gloo's are not in the flight recorder, and the
+  hang report names a blocking send or recv);
+- runs the rank hooks its launch names (`rank_hooks`), and knows none of them: the engine's own (the local
+  engine's kill-after and loopback store) and its client's (the course's records for its checkers,
+  `evidence_hook`);
 - ends the script as the interpreter would (non-daemon threads joined, atexit handlers run, every
   open file flushed), then ends the process with os._exit: a DDP process can otherwise abort in the
   interpreter's final teardown ("terminate called without an active exception", SIGABRT) after all
@@ -36,10 +39,10 @@ import traceback
 import types
 import weakref
 
-from . import _all_reduce_log, _channel_bytes, _hang_probe, _point_to_point
+from . import _hang_probe, _point_to_point, rank_hooks
 from .processes import become_child_subreaper, descendants, die_with_parent, start_time
-from .run_folder import (AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, IMPORT_DIR_ENV, LOOPBACK_ENV, NODE_ENV, SECRET_ENV,
-                         RankErrorRecord, RankIdentity, RunFolder, open_private)
+from .run_folder import (AGENT_ENV, AGENT_PID_ENV, ATTEMPT_MARK, IMPORT_DIR_ENV, NODE_ENV, RankErrorRecord, RankIdentity,
+                         RunFolder, open_private)
 
 _BUFFERED_FILE_TYPES = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
 _open_stack_file = None  # kept alive: faulthandler writes into it from its signal handler
@@ -56,20 +59,6 @@ def _redirect_output(folder: RunFolder, rank: int) -> None:
         os.close(target)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
-
-
-def _observe_collectives(c10d_module) -> None:
-    _point_to_point.observe(c10d_module)
-    _all_reduce_log.observe(c10d_module)
-    _channel_bytes.observe(c10d_module)
-
-
-def _collectives_called(rank: int) -> list[dict]:
-    try:
-        return _hang_probe.collectives_called()
-    except Exception as error:  # noqa: BLE001 - a checker's evidence: never a reason for the rank to fail
-        print(f"[ddp_helpers] rank {rank}: reading the flight recorder failed: {error!r}", file=sys.stderr)
-        return []
 
 
 def _exit_status(exit: SystemExit) -> int:
@@ -129,18 +118,25 @@ def _scripts_own_excepthook():
 
 def _without_wrapper_frames(tb):
     """The traceback without the frames of our wrappers around torch functions (relinked in place)."""
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in _WRAPPER_FILES:
+    wrappers = _wrapper_files()
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in wrappers:
         tb = tb.tb_next
     link = tb
     while link is not None:
-        while link.tb_next is not None and os.path.abspath(link.tb_next.tb_frame.f_code.co_filename) in _WRAPPER_FILES:
+        while link.tb_next is not None and os.path.abspath(link.tb_next.tb_frame.f_code.co_filename) in wrappers:
             link.tb_next = link.tb_next.tb_next
         link = link.tb_next
     return tb
 
 
-_WRAPPER_FILES = {os.path.abspath(module.__file__) for module in (_all_reduce_log, _channel_bytes, _point_to_point)} | {
-    os.path.abspath(__file__)}
+# Our wrappers around torch functions, whichever of them this rank's hooks loaded: their frames are noise.
+_WRAPPERS = ("ddp_helpers._all_reduce_log", "ddp_helpers._channel_bytes", "ddp_helpers._point_to_point",
+             "ddp_helpers.evidence_hook")
+
+
+def _wrapper_files() -> set[str]:
+    return {os.path.abspath(module.__file__) for name in _WRAPPERS if (module := sys.modules.get(name)) is not None} | {
+        os.path.abspath(__file__)}
 
 
 def _drop_wrapper_frames(shown: traceback.TracebackException, seen: set) -> None:
@@ -148,7 +144,8 @@ def _drop_wrapper_frames(shown: traceback.TracebackException, seen: set) -> None
     if id(shown) in seen:
         return
     seen.add(id(shown))
-    kept = [frame for frame in shown.stack if os.path.abspath(frame.filename) not in _WRAPPER_FILES]
+    wrappers = _wrapper_files()
+    kept = [frame for frame in shown.stack if os.path.abspath(frame.filename) not in wrappers]
     if kept:  # a failure inside our own code keeps its frames: there is nothing else to show
         shown.stack = traceback.StackSummary.from_list(kept)
     for chained in (shown.__cause__, shown.__context__, *(getattr(shown, "exceptions", None) or ())):
@@ -166,162 +163,32 @@ def _warn_if_process_group_left_open(rank: int) -> None:
         )
 
 
-class WriteObserver:
-    """Notes the files a rank writes (Python audit events "open" for writing, "os.rename"/"os.replace"),
-    leaving out the run folder's own bookkeeping (`RunFolder.is_bookkeeping`); and each crossing into other
-    ranks' files in the run folder (their secrets, outputs, facts: opened, linked to, renamed, removed) or a
-    change to its own secret: a side channel no real job has, which checkers name. Crossings are appended to
-    the rank's `crossings` file as they happen (`RunFolder.note_crossing`), so that neither an `os._exit`, a
-    forked child's end nor a restart loses them."""
+class _WritesWatch:
+    """Whether the script opened anything for writing (Python's audit events "open" for writing, and sockets,
+    whose makefile("w") buffers with no "open" event), the run folder's bookkeeping aside (`record`'s facts): only
+    then can a buffered file of its be left unflushed at the end, and `_finish_like_the_interpreter` walks every
+    object to flush it. The launcher's own hook; what the course records of a rank's writes is its own hook's."""
 
     _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
-    def __init__(self, folder: RunFolder, rank: int):
-        self.folder, self.rank = folder, rank
-        self.paths: set[str] = set()
-        self._noting = False  # noting a crossing opens a file: that open is ours
-        # Whether the script opened anything for writing, bookkeeping aside (a descriptor, a path): only then can
-        # a buffered file of its be left unflushed at the end (`_finish_like_the_interpreter`).
+    def __init__(self, folder: RunFolder):
+        self.folder = folder
         self.opened_for_writing = False
 
     def __call__(self, event: str, args: tuple) -> None:
-        if self._noting:
+        if self.opened_for_writing:
             return
         try:
-            self._observe(event, args)
-        except Exception:  # noqa: BLE001 - a hook that raises would fail the script's own operation
-            pass
-
-    def _observe(self, event: str, args: tuple) -> None:
-        if event == "open":
-            path, mode, flags = args
-            writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & self._WRITE_FLAGS)
-            if writes and isinstance(path, (str, bytes, os.PathLike)):
-                self._note(path)
-            elif writes:  # os.fdopen(fd, "w") and the like: no path to tell bookkeeping by
+            if event == "open":
+                path, mode, flags = args
+                writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & self._WRITE_FLAGS)
+                if writes and not (isinstance(path, (str, bytes, os.PathLike))
+                                   and self.folder.is_bookkeeping(os.path.abspath(os.fsdecode(path)))):
+                    self.opened_for_writing = True
+            elif event == "socket.__new__":
                 self.opened_for_writing = True
-            if isinstance(path, (str, bytes, os.PathLike)):
-                self._note_crossing(path, "changed" if writes else "opened")
-        elif event == "socket.__new__":  # a socket's makefile("w") buffers too, with no "open" event
+        except Exception:  # noqa: BLE001 - a hook that raises would fail the script's own operation
             self.opened_for_writing = True
-        elif event == "os.rename":
-            self._note_crossing(args[0], "moved")
-            self._note_crossing(args[1], "replaced")
-            self._note(args[1])
-        elif event in ("os.link", "os.symlink"):  # another name for a rank's file, or a file in its place
-            source, link = args[0], args[1]
-            if event == "os.symlink" and isinstance(link, (str, bytes)):  # a relative target is the link's folder's
-                source = os.path.join(os.path.dirname(os.fsdecode(link)), os.fsdecode(source))
-            self._note_crossing(source, "linked to")
-            self._note_crossing(link, "replaced")
-        elif event in ("os.remove", "os.truncate"):
-            self._note_crossing(args[0], "changed")
-
-    def _note_crossing(self, path, how: str) -> None:
-        try:
-            owner = self.folder.rank_file_owner(path)
-        except (TypeError, ValueError, OSError):
-            return
-        if owner is None or how == "opened" and owner[0] == self.rank:
-            return
-        if owner[0] == self.rank and not self.folder.is_secret(owner[1]):
-            return  # its own output, records, facts: the launcher's writing, or harmless
-        self._noting = True
-        try:
-            self.folder.note_crossing(self.rank, owner[1], how)
-        finally:
-            self._noting = False
-
-    def _note(self, path) -> None:
-        try:
-            full = os.path.abspath(os.fsdecode(path))
-        except (TypeError, ValueError):
-            return
-        if not self.folder.is_bookkeeping(full):
-            self.paths.add(full)
-            self.opened_for_writing = True
-
-
-class _PatchOnImport:
-    """Patches applied to torch modules as the script imports them (a cold rank), or at once where the
-    warm process imported them already:
-    - torch.save(obj, "path") writes through C++, which raises no audit event: it is wrapped so that
-      saving to a path raises the "open" event a Python write would;
-    - torch.distributed's send/recv/isend/irecv are logged (`_point_to_point`), and what the script hands to
-      all_reduce (`_all_reduce_log`), and the bytes its store and point-to-point calls move (`_channel_bytes`);
-    - on this machine's runs, rank 0's job store listens on loopback only."""
-
-    def __init__(self, patches: dict):
-        self.patches = dict(patches)
-
-    def find_spec(self, fullname, path=None, target=None):
-        patch = self.patches.pop(fullname, None)
-        if patch is None:
-            return None
-        sys.meta_path.remove(self)  # find the real spec without finding ourselves again
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            if self.patches:  # others still to come
-                sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        execute = spec.loader.exec_module
-
-        def exec_then_patch(module):
-            execute(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_then_patch
-        return spec
-
-    @classmethod
-    def install(cls, patches: dict) -> None:
-        pending = {}
-        for name, patch in patches.items():
-            module = sys.modules.get(name)
-            if module is None:
-                pending[name] = patch
-            else:
-                patch(module)
-        if pending:
-            sys.meta_path.insert(0, cls(pending))
-
-
-def _keep_rank0_store_on_loopback(rendezvous) -> None:
-    """When the ranks do not share their agent's store (restarts, several agents), rank 0 hosts the job's
-    store (MASTER_ADDR:MASTER_PORT) with a plain TCPStore, which listens on every interface: on this
-    machine's runs (MASTER_ADDR 127.0.0.1) it is handed a socket bound to loopback instead."""
-    create = rendezvous._create_c10d_store
-
-    @functools.wraps(create)
-    def create_on_loopback(hostname, port, rank, world_size, timeout, use_libuv=True):
-        if hostname != "127.0.0.1" or rank != 0 or rendezvous._torchelastic_use_agent_store():
-            return create(hostname, port, rank, world_size, timeout, use_libuv)
-        with socket.create_server(("127.0.0.1", port), backlog=128) as listener:
-            # The store takes over (and closes) the descriptor it is given: it gets a copy.
-            return rendezvous.TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=True,
-                                       timeout=timeout, multi_tenant=True, use_libuv=use_libuv,
-                                       master_listen_fd=os.dup(listener.fileno()))
-
-    rendezvous._create_c10d_store = create_on_loopback
-
-
-def _wrap_torch_save(serialization) -> None:
-    serialization.save = _reporting_save(serialization.save)
-    torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "save"):
-        torch.save = serialization.save
-
-
-def _reporting_save(save):
-    @functools.wraps(save)
-    def reporting_save(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)):
-            sys.audit("open", os.fspath(f), "wb", 0)
-        return save(obj, f, *args, **kwargs)
-
-    return reporting_save
 
 
 def _run_as_main(script: str) -> None:
@@ -391,27 +258,6 @@ def _skip_torch_library_teardown() -> None:
             finalizer.atexit = False
 
 
-class _KilledAfterPrinting:
-    """sys.stdout and sys.stderr of the rank a demo kills (`kill_rank`, `kill_after`): the rank SIGKILLs itself at the end
-    of the line holding the text, as if the out-of-memory killer struck right then, so it does nothing
-    more (see `engines.local.engine.RankKiller`)."""
-
-    def __init__(self, stream, text: str):
-        self._stream, self._text, self._tail = stream, text, ""
-
-    def write(self, data: str) -> int:
-        written = self._stream.write(data)
-        self._tail = (self._tail + data)[-(len(self._text) + 4096):]
-        found = self._tail.rfind(self._text)
-        if found >= 0 and "\n" in self._tail[found + len(self._text):]:
-            self._stream.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return written
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
 def _join_run_folder(folder: RunFolder, rank: int):
     """Send the rank's output into the run folder, say who this attempt is, and open its stack file (returned:
     faulthandler writes into it from its signal handler, so it must stay open)."""
@@ -431,15 +277,6 @@ def _join_run_folder(folder: RunFolder, rank: int):
         print(f"{ATTEMPT_MARK} attempt {attempt} of rank {rank} begins (restart count {restart}, world "
               f"size {os.environ.get('WORLD_SIZE')})")
     folder.clear_error(rank)  # an earlier attempt's, before a restart
-    # Only this process is handed it: an exercise's data comes from it (ddp_helpers.rank_secret), so that no
-    # rank can compute another's without asking it, through a collective.
-    os.environ[SECRET_ENV] = str(folder.rank_secret(rank))
-    request = folder.read_kill_request()
-    if request is not None and request.rank == rank and restart == 0:
-        # Both text streams (logging writes to stderr); what bypasses them (sys.stdout.buffer, a subprocess) the
-        # launcher sees in the output files a moment later (engines.local.engine.RankKiller).
-        sys.stdout = _KilledAfterPrinting(sys.stdout, request.text)
-        sys.stderr = _KilledAfterPrinting(sys.stderr, request.text)
     stack_file = open_private(folder.stack_file(rank), "w")
     if os.environ.get(_hang_probe.OFF_ENV) != "1":
         _hang_probe.serve(folder, rank, stack_file)
@@ -451,6 +288,29 @@ def _record_what_the_script_left_running(folder: RunFolder) -> None:
     environment: the sweep's list (`processes.kill_marked`)."""
     for pid in descendants([os.getpid()]):
         folder.record_forked_child(pid, start_time(pid))
+
+
+def _start_hooks(folder: RunFolder, rank: int) -> tuple[list, _WritesWatch]:
+    """The launcher's own watches, then the rank hooks its launch named (the engine's, its client's: the
+    course's records), by name (`rank_hooks`)."""
+    watch = _WritesWatch(folder)
+    sys.addaudithook(watch)
+    # Gloo's send and recv are not in the flight recorder: the hang report reads this log of them.
+    rank_hooks.PatchOnImport.install({"torch.distributed.distributed_c10d": _point_to_point.observe})
+    hooks = rank_hooks.load()
+    for hook in hooks:
+        hook.start(folder, rank)
+    return hooks, watch
+
+
+def _finish_hooks(hooks: list, folder: RunFolder, rank: int) -> None:
+    for hook in hooks:
+        finish = getattr(hook, "finish", None)
+        if finish is not None:
+            try:
+                finish(folder, rank)
+            except Exception:  # noqa: BLE001 - a hook's records are never a reason for the rank to fail
+                traceback.print_exc()
 
 
 def main() -> None:
@@ -469,13 +329,7 @@ def main() -> None:
         os.register_at_fork(after_in_child=lambda: folder.record_forked_child(os.getpid(), start_time(os.getpid())))
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, file=_open_stack_file or sys.stderr, all_threads=True)
-    observer = WriteObserver(folder, rank) if folder is not None else None
-    if observer is not None:
-        sys.addaudithook(observer)
-        patches = {"torch.serialization": _wrap_torch_save, "torch.distributed.distributed_c10d": _observe_collectives}
-        if os.environ.get(LOOPBACK_ENV) == "1":  # a run on this machine (not a cluster's)
-            patches["torch.distributed.rendezvous"] = _keep_rank0_store_on_loopback
-        _PatchOnImport.install(patches)
+    hooks, watch = _start_hooks(folder, rank) if folder is not None else ([], None)
     # This process started as `python -P -m` (python_command): no working folder on sys.path, so none could shadow
     # this package. A script runs as `python script.py` would, as torchrun starts a worker: its folder first, and
     # never the working folder (a module in a --cwd of data must not shadow one the script imports under plain
@@ -498,15 +352,12 @@ def main() -> None:
             folder.write_error(RankErrorRecord(rank=rank, time=failed_at, type=type(error).__name__,
                                                message=_capped(str(error)), traceback=_capped(text)))
     try:
-        _finish_like_the_interpreter(may_hold_open_files=observer is None or observer.opened_for_writing)
+        _finish_like_the_interpreter(may_hold_open_files=watch is None or watch.opened_for_writing)
     except BaseException:  # noqa: BLE001 - e.g. an exception while joining threads: shown, exit unchanged
         traceback.print_exc()
     finally:
-        if observer is not None:
-            folder.write_evidence(rank, files_written=observer.paths,
-                                  point_to_point=_point_to_point.summary(),
-                                  all_reduced=_all_reduce_log.summary(),
-                                  collectives=_collectives_called(rank), channel_bytes=_channel_bytes.summary())
+        if folder is not None:
+            _finish_hooks(hooks, folder, rank)
             _record_what_the_script_left_running(folder)
             # How it ended, for engines with no agent to ask (a cluster's job), and for a rank whose agent was stopped.
             folder.write_exit(rank, exit_code)

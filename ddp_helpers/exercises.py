@@ -61,6 +61,11 @@ def rank_secrets(run, report: ExerciseReport) -> list[int] | None:
         return None
     folder = RunFolder(run.run_dir)
     secrets = [folder.read_secret(r.rank) for r in run.ranks]
+    if run.ranks and all(secret is None for secret in secrets):  # none drawn: the course's rank hook was off
+        report.mistakes.append(
+            "this run kept none of the records the checker judges a run by: run the notebook's first cell "
+            "(`%load_ext ddp_helpers.course`), then the exercise's cell again")
+        return None
     if None in secrets:
         report.mistakes.append("the checker could not read every rank's secret from the run folder; run the cell again")
         return None

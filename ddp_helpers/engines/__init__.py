@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Protocol
 
-from .. import hang
+from .. import hang, rank_hooks
 from ..errors import LaunchError
 from ..python_command import python_module
 from ..run_folder import IMPORT_DIR_ENV, RUN_DIR_ENV, RUN_ID_ENV, RunFolder, default_run_dir
@@ -220,11 +220,13 @@ class RankCommand:
         return env
 
 
-def rank_command(config: LaunchConfig, run_id: str, engine_env: Mapping[str, str] | None = None) -> RankCommand:
+def rank_command(config: LaunchConfig, run_id: str, engine_env: Mapping[str, str] | None = None,
+                 hooks: tuple[str, ...] = ()) -> RankCommand:
     """The rank contract of launch `run_id`: every rank runs `python -P -m ddp_helpers._bootstrap SCRIPT ARGS`
     (`argv` is what follows the interpreter: `python_command.python_module`, the working folder off sys.path)
     with the run folder and the run's id in its environment (and the import folder, if any), unbuffered
-    output, `config.extra_env`, and `engine_env` (what only this engine's ranks need) last."""
+    output, `config.extra_env`, and `engine_env` (what only this engine's ranks need) last. Its rank hooks
+    (`rank_hooks`): the engine's own `hooks`, then those its process's client uses (`rank_hooks.use`)."""
     defaults = {
         "OMP_NUM_THREADS": "1",  # torchrun sets 1 thread per rank anyway (and warns)
         "MPLBACKEND": "Agg",  # ranks have no display; a kernel's inline backend would drag IPython in
@@ -238,6 +240,9 @@ def rank_command(config: LaunchConfig, run_id: str, engine_env: Mapping[str, str
     env = {**config.extra_env, RUN_DIR_ENV: str(config.run_dir), RUN_ID_ENV: run_id,
            **({IMPORT_DIR_ENV: str(config.import_dir)} if config.import_dir else {}),
            "PYTHONUNBUFFERED": "1", **(engine_env or {})}
+    named = ",".join(dict.fromkeys((*hooks, *rank_hooks.in_use())))
+    if named:
+        env[rank_hooks.HOOKS_ENV] = named
     argv = (*python_module(BOOTSTRAP), str(config.script), *config.script_args)
     return RankCommand(argv=argv, env=env, defaults=defaults, python_path=_PACKAGE_PARENT)
 

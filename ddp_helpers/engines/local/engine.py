@@ -48,6 +48,7 @@ _STUB = str(Path(__file__).resolve().parent / "_zygote_stub.py")
 # Variables that differ from launch to launch: not part of the warm process's environment.
 RUN_ENV_KEYS = (RUN_DIR_ENV, RUN_ID_ENV)
 # Every rank of a run here is on this machine: gloo's and nccl's sockets, and the stores, on loopback only.
+RANK_HOOK = "ddp_helpers.engines.local.rank_hook"  # its ranks' side: kill-after and the loopback store
 ON_THIS_MACHINE = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", LOOPBACK_ENV: "1"}
 
 # The ranks get this long to end after SIGTERM (torchrun's --shutdown-timeout), then SIGKILL.
@@ -64,7 +65,7 @@ _WAIT_STEP_S = 0.05
 def child_environment(config: LaunchConfig, run_id: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment the supervisor and the ranks get: the rank contract (`engines.rank_command`) on top
     of the caller's environment, with every socket and store of the run on loopback."""
-    return rank_command(config, run_id, ON_THIS_MACHINE).environment(base)
+    return rank_command(config, run_id, ON_THIS_MACHINE, hooks=(RANK_HOOK,)).environment(base)
 
 
 def agent_gpus(config: LaunchConfig, env: dict[str, str]) -> tuple[str, ...] | None:

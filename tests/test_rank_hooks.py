@@ -1,0 +1,56 @@
+"""Rank hooks (`ddp_helpers.rank_hooks`): a plain launch runs none of the course's code in its ranks, a course
+launch (`%load_ext ddp_helpers.course`) keeps the records its checkers judge by, and the bootstrap names no hook."""
+
+import pytest
+
+from ddp_helpers import rank_hooks
+from ddp_helpers.course import EVIDENCE_HOOK
+from support import failure_report, run_on_cpu
+
+WHAT_RUNS = """
+import os, sys
+import torch
+import torch.distributed as dist
+from ddp_helpers import record
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(2))
+torch.save({"x": 1}, "saved.pt")
+record("loaded", sorted(m for m in sys.modules if m.startswith("ddp_helpers")))
+record("save_wrapped", hasattr(torch.save, "__wrapped__"))
+record("has_secret", "DDP_HELPERS_RANK_SECRET" in os.environ)
+dist.destroy_process_group()
+"""
+COURSE_MODULES = ("ddp_helpers.evidence_hook", "ddp_helpers._all_reduce_log", "ddp_helpers._channel_bytes",
+                  "ddp_helpers.course", "ddp_helpers.exercises", "ddp_helpers.checks", "ddp_helpers.lessons")
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
+def test_a_plain_launch_runs_no_course_code_in_its_ranks(write_script, monkeypatch, cold):
+    monkeypatch.setattr(rank_hooks, "_IN_USE", [])  # as in a notebook that loaded `ddp_helpers` alone
+    run = run_on_cpu(write_script("plain", WHAT_RUNS), cold=cold, stream=False)
+    assert run.ok, failure_report(run)
+    for rank in run.ranks:
+        assert not [m for m in rank.facts["loaded"] if m.startswith(COURSE_MODULES)], rank.facts["loaded"]
+        assert not rank.facts["save_wrapped"] and not rank.facts["has_secret"]
+        assert rank.files_written == () and rank.handed_to_collectives == () and rank.collectives == ()
+
+
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
+def test_a_course_launch_keeps_the_records_its_checkers_judge(write_script, cold):
+    assert EVIDENCE_HOOK in rank_hooks.in_use()  # conftest, as a lesson's first cell
+    run = run_on_cpu(write_script("course", WHAT_RUNS), cold=cold, stream=False)
+    assert run.ok, failure_report(run)
+    for rank in run.ranks:
+        assert EVIDENCE_HOOK in rank.facts["loaded"] and rank.facts["save_wrapped"] and rank.facts["has_secret"]
+        assert any(path.endswith("saved.pt") for path in rank.files_written), rank.files_written
+        assert [c["op"] for c in rank.collectives] == ["all_reduce"]
+
+
+def test_an_exercise_run_without_the_courses_records_is_told_how_to_get_them(write_script, monkeypatch):
+    from ddp_helpers.exercises import ExerciseReport, rank_secrets
+
+    monkeypatch.setattr(rank_hooks, "_IN_USE", [])
+    run = run_on_cpu(write_script("plain", "print('hello')\n"), stream=False)
+    report = ExerciseReport()
+    assert rank_secrets(run, report) is None
+    assert "%load_ext ddp_helpers.course" in report.mistakes[0], report.mistakes

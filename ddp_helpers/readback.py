@@ -70,7 +70,10 @@ def collect_result(config: LaunchConfig, folder: RunFolder, ending: Ending, *, w
     if root is not None:
         ranks[root.rank] = replace(root, root_cause=True)
     world_size = len(ranks)
-    devices = tuple(f"cuda:{r}" if config.backend == "nccl" else "cpu" for r in range(world_size))
+    # A GPU is numbered on its own machine: LOCAL_RANK, not the global rank (cuda:2 does not exist on a machine
+    # with 2 GPUs whose agent started ranks 2 and 3). A rank that never started: its place on its agent.
+    devices = tuple(f"cuda:{r.local_rank if r.local_rank is not None else r.rank % config.ranks_per_agent}"
+                    if config.backend == "nccl" else "cpu" for r in ranks)
     hang = None
     if timed_out:  # a rank that wrote how it ended had ended on its own before the launcher stopped the run
         ended = {rank: folder.read_exit_code(rank) for rank in range(world_size)}

@@ -189,7 +189,7 @@ class RunResult:
         ranks: one RankResult per rank, indexed by rank: `run.ranks[1].facts["indices"]`.
         wall_time_s: seconds from launch to the end of cleanup.
         backend: "gloo" or "nccl".
-        devices: the device each rank was given ("cpu" or "cuda:k").
+        devices: the device each rank was given ("cpu", or "cuda:k" with k its LOCAL_RANK: its machine's GPU k).
         returncode: 0 when the engine saw the whole run end well (torchrun's agents, a job's final state),
             else 1.
         timed_out: the launcher stopped the run after config.timeout_s.

@@ -120,3 +120,21 @@ def test_a_root_cause_that_lost_its_peer_names_the_ranks_that_had_finished():
     crashed = make_run([RankResult(0, -9, "", "", ended_at=0.5),
                         RankResult(1, 1, "", "", error=RankError("RuntimeError", closed, "tb1", time=5.0))])
     assert "Its peer went away" not in crashed.summary()  # a peer that crashed is no normal finish
+
+
+def test_a_ranks_gpu_is_numbered_on_its_own_machine(tmp_path):
+    """Two machines of 2 GPUs each: ranks 2 and 3 have cuda:0 and cuda:1 on theirs, not cuda:2 and cuda:3."""
+    from ddp_helpers.engines import Ending, LaunchConfig, RankEnding
+    from ddp_helpers.engines.local.job import LocalJob
+    from ddp_helpers.readback import collect_result
+    from ddp_helpers.run_folder import RankIdentity, RunFolder
+
+    folder = RunFolder(tmp_path / "run", "abc")
+    folder.path.mkdir()
+    for rank in range(3):  # rank 3 never started: its place on its agent
+        folder.write_identity(RankIdentity(rank=rank, pid=100 + rank, agent=rank // 2, group_rank=rank // 2,
+                                           local_rank=rank % 2, world_size=4))
+    config = LaunchConfig(tmp_path / "train.py", 2, "nccl", 60.0, folder.path, job=LocalJob(nnodes=2), nnodes=2)
+    ending = Ending(ranks=tuple(RankEnding(0) for _ in range(4)), succeeded=True)
+    run = collect_result(config, folder, ending, wall_time_s=1.0, timed_out=False)
+    assert run.devices == ("cuda:0", "cuda:1", "cuda:0", "cuda:1")

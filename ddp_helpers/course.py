@@ -17,14 +17,6 @@ def keep_records() -> None:
     rank_hooks.use(EVIDENCE_HOOK)
 
 
-def records_kept(run) -> bool:
-    """Whether `run` was made with the course's records (every rank that started wrote them)."""
-    from .run_folder import RunFolder
-
-    folder = RunFolder(run.run_dir)
-    return all(folder.read_secret(rank.rank) is not None for rank in run.ranks)
-
-
 def load_ipython_extension(ipython) -> None:
     from . import load_ipython_extension as load_launcher
 

@@ -330,14 +330,16 @@ class Engine(abc.ABC):
         while `output` is polled so that the ranks' last lines still show. An engine may add to it (the local
         one signals a rank whose thread did not answer)."""
         said = f"no result after {self.config.timeout_s:g} s" if why == "timed out" else "stopped"
-        print(f"[ddp_helpers] {said}: asking every rank that started for its stack, then {self.stopping}.",
+        print(f"[ddp_helpers] {said}: asking every {self.ranks_asked} for its stack, then {self.stopping}.",
               file=sys.stderr, flush=True)
-        # A rank that reads requests from a file looks every PREPARE_POLL_S, and a shared file system is slower.
-        hang.wait_for_answers(self.folder, hang.ask(self.folder, self.ranks_to_ask()), output.poll,
-                              hang.ANSWER_WAIT_S + 1)
+        hang.wait_for_answers(self.folder, hang.ask(self.folder, self.ranks_to_ask()), output.poll, self.answer_wait_s)
 
-    #: what `stop` will do, as the timeout's message says it
+    #: what `stop` will do, and which ranks `ranks_to_ask` gives, as the timeout's message says them
     stopping: str = "stopping the run"
+    ranks_asked: str = "rank that started"
+    #: how long the hang report waits for the ranks' answers (a rank that reads its requests from a file looks
+    #: every PREPARE_POLL_S, and a shared file system is slower)
+    answer_wait_s: float = hang.ANSWER_WAIT_S + 1
 
     @abc.abstractmethod
     def stop(self) -> None:

@@ -173,8 +173,18 @@ class LocalEngine(Engine):
                 return None
         return self._supervisor_pidfd
 
+    ranks_asked = "live rank"
+    answer_wait_s = HANG_REPORT_WAIT_S
+
+    def ranks_to_ask(self) -> list[int]:
+        return live_ranks(self.config, self.folder)
+
     def on_timeout(self, output: OutputPump, why: str = "timed out") -> None:
-        dump_stacks_of_live_ranks(self.config, self.folder, output, why)
+        """As every engine (each live rank's thread writes its stacks, then what it waits in: `_hang_probe`),
+        then SIGUSR1 (faulthandler's dump) for a rank whose thread did not answer: the signal is the script's to
+        own. The wait goes on until each such dump is written (it stops growing), at most STACK_DUMP_WAIT_S."""
+        super().on_timeout(output, why)
+        signal_the_silent_ranks(self.config, self.folder, output)
 
     def stop(self) -> None:
         """Bounded by STOP_BOUND_S; pressing stop again meanwhile does not cut it short."""
@@ -277,26 +287,17 @@ class RankKiller:
                   "killed (--kill-after).", file=sys.stderr, flush=True)
 
 
-def dump_stacks_of_live_ranks(config: LaunchConfig, folder: RunFolder, streamer: OutputPump,
-                              why: str = "timed out") -> None:
-    """Ask every live rank for its stacks (its stack file) and what it waits in (its hang answer), which a thread
-    of the rank writes; a rank that wrote no stack by HANG_REPORT_WAIT_S gets SIGUSR1 (faulthandler's dump),
-    and the wait goes on until each such dump is written (it stops growing), at most STACK_DUMP_WAIT_S."""
-    said = f"no result after {config.timeout_s:g} s" if why == "timed out" else "stopped"
-    print(f"[ddp_helpers] {said}: asking every live rank for its stack, then stopping the run.", file=sys.stderr,
-          flush=True)
-    live = [rank for rank in range(config.world_size)
+def live_ranks(config: LaunchConfig, folder: RunFolder) -> list[int]:
+    return [rank for rank in range(config.world_size)
             if (pid := folder.rank_pid(rank)) is not None and not process_is_dead(pid)]
-    # A thread of each rank writes its stacks, then what it waits in (`_hang_probe`). SIGUSR1 (faulthandler)
-    # only for a rank whose thread did not answer: the signal is the script's to own.
-    reporting = hang.ask(folder, live)
-    until = time.monotonic() + HANG_REPORT_WAIT_S
-    while reporting and time.monotonic() < until:
-        streamer.poll()
-        time.sleep(_WAIT_STEP_S)
-        if all(folder.hang_answered(rank) for rank in reporting):
-            time.sleep(_WAIT_STEP_S)  # the thread is back, blocked on its pipe
-            break
+
+
+def signal_the_silent_ranks(config: LaunchConfig, folder: RunFolder, streamer: OutputPump) -> None:
+    """After the hang report's question: SIGUSR1 to each live rank that neither answered nor wrote a stack, and
+    a wait, at most STACK_DUMP_WAIT_S, until each such dump is written (it stops growing)."""
+    live = live_ranks(config, folder)
+    if live and all(folder.hang_answered(rank) for rank in live):
+        time.sleep(_WAIT_STEP_S)  # the thread is back, blocked on its pipe
     asked = []
     for rank in (rank for rank in live if not folder.hang_answered(rank) and _size(folder.stack_file(rank)) == 0):
         try:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from ddp_helpers import launch, make_launch_config
-from ddp_helpers.lessons.lesson6 import RANK_SCRIPT, bandwidths, fit_alpha_beta, human_bytes, table
+from ddp_helpers.course.lessons.lesson6 import RANK_SCRIPT, bandwidths, fit_alpha_beta, human_bytes, table
 
 
 def nvlink_bandwidth_per_gpu() -> float | None:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "alpha_s": fit.alpha_s, "beta_bytes_per_s": fit.beta_bytes_per_s,
                                          "peak_bytes_per_s": peak}, indent=1))
     if args.plot:
-        from ddp_helpers.lessons.lesson6_plots import plot_allreduce
+        from ddp_helpers.course.lessons.lesson6.plots import plot_allreduce
 
         plot_allreduce(points, world_size, fit).savefig(args.plot, dpi=100)
     return 0

@@ -129,14 +129,9 @@ def _without_wrapper_frames(tb):
     return tb
 
 
-# Our wrappers around torch functions, whichever of them this rank's hooks loaded: their frames are noise.
-_WRAPPERS = ("ddp_helpers._all_reduce_log", "ddp_helpers._channel_bytes", "ddp_helpers._point_to_point",
-             "ddp_helpers.evidence_hook")
-
-
 def _wrapper_files() -> set[str]:
-    return {os.path.abspath(module.__file__) for name in _WRAPPERS if (module := sys.modules.get(name)) is not None} | {
-        os.path.abspath(__file__)}
+    """Our wrappers around torch functions (the launcher's, and those of this rank's hooks): their frames are noise."""
+    return rank_hooks.wrapper_files() | {os.path.abspath(__file__), os.path.abspath(_point_to_point.__file__)}
 
 
 def _drop_wrapper_frames(shown: traceback.TracebackException, seen: set) -> None:

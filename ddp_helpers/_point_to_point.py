@@ -5,7 +5,7 @@ checker can see which tensors really crossed between ranks (lesson 1's pipeline 
 activation went from stage 0 to stage 1, its gradient came back) instead of trusting what the script
 records about itself. Each call is logged with its peer, shape and dtype; a small tensor's values are
 kept too (a sent tensor's at the call, a received one's once `recv` returns; `irecv` completes later,
-so only its shape is known). Collectives are not logged here (`ddp_helpers.comm` counts those).
+so only its shape is known). Collectives are not logged here (`ddp_helpers.course.comm` counts those).
 
 A small sent tensor is also marked `grad_of_received` when it is the gradient of a tensor this rank
 received (its `.grad`, or what `torch.autograd.grad` returned for it): the pipeline checker's evidence

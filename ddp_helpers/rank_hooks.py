@@ -9,6 +9,8 @@ its checkers, `%load_ext ddp_helpers.course`). A hook module has
 and may have
     finish(folder: RunFolder, rank: int) -> None  after the script ended, however it ended, before the rank's
                                                   exit is recorded (what it gathered, written to the run folder).
+and may name, in WRAPPERS, its modules that wrap torch's functions (itself included where it does): their frames
+are left out of the tracebacks a rank shows (`wrapper_files`).
 A hook that fails to load or start stops the rank with its error: a launch that asked for it must not run
 without it. Rank side: nothing here imports torch.
 """
@@ -25,6 +27,7 @@ import types
 HOOKS_ENV = "DDP_HELPERS_RANK_HOOKS"
 
 _IN_USE: list[str] = []  # this process's launches' hooks, besides their engine's (`use`)
+_LOADED: list[types.ModuleType] = []  # this rank's hooks (`load`)
 
 
 def use(module: str) -> None:
@@ -45,7 +48,15 @@ def in_use() -> tuple[str, ...]:
 def load() -> list[types.ModuleType]:
     """The hooks this rank's launch named (HOOKS_ENV), imported, in order."""
     names = [name for name in os.environ.get(HOOKS_ENV, "").split(",") if name]
-    return [importlib.import_module(name) for name in dict.fromkeys(names)]
+    _LOADED[:] = [importlib.import_module(name) for name in dict.fromkeys(names)]
+    return list(_LOADED)
+
+
+def wrapper_files() -> set[str]:
+    """The files of the loaded hooks' wrappers around torch functions (each hook's WRAPPERS), as absolute paths."""
+    names = [name for hook in _LOADED for name in getattr(hook, "WRAPPERS", ())]
+    return {os.path.abspath(module.__file__) for name in names
+            if (module := sys.modules.get(name)) is not None and getattr(module, "__file__", None)}
 
 
 class PatchOnImport:

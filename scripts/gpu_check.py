@@ -147,7 +147,7 @@ def check_all_reduce(folder: Path, world: int, cold: bool, backend: str = "nccl"
 
 
 def run_whole_lesson(number: int) -> tuple[bool, str]:
-    process = subprocess.run([sys.executable, "-m", "ddp_helpers.lesson_runner", str(number)], cwd=PROJECT,
+    process = subprocess.run([sys.executable, "-m", "ddp_helpers.course.lesson_runner", str(number)], cwd=PROJECT,
                              capture_output=True, text=True, timeout=LESSON_TIMEOUT_S)
     last = [line for line in (process.stdout + process.stderr).splitlines() if line.strip()][-1:]
     return process.returncode == 0, (last[0] if last else "")
@@ -198,7 +198,7 @@ def run_cells_at_world_one(notebook: Path, backend: str = "nccl", shell=None) ->
 
 
 def check_lessons(gpus: int) -> None:
-    from ddp_helpers.lesson_runner import available_lessons
+    from ddp_helpers.course.lesson_runner import available_lessons
 
     for number, notebook in available_lessons().items():
         started = time.monotonic()
@@ -219,14 +219,14 @@ def check_exercise(folder: Path, gpus: int, backend: str = "nccl") -> None:
         report("exercise checker", None, "needs 2 GPUs")
         return
     from ddp_helpers import launch, make_launch_config
-    from ddp_helpers.lessons.lesson0 import check_mean_exercise
+    from ddp_helpers.course.lessons.lesson0 import check_mean_exercise
 
     preamble = """
         import os
         import torch
         import torch.distributed as dist
         from ddp_helpers import record
-        from ddp_helpers.lessons.lesson0 import my_number
+        from ddp_helpers.course.lessons.lesson0 import my_number
 
         cuda = torch.cuda.is_available()
         if cuda:

@@ -14,4 +14,4 @@ source "$(dirname "${BASH_SOURCE[0]}")/ensure_env.sh"
 # From the project's root: `python -m` imports from the current folder first, and the one this was started
 # in may be writable by others (a shared project folder). The runner works in the notebooks' folder anyway.
 cd "$project_root"
-exec python -m ddp_helpers.lesson_runner "$@"
+exec python -m ddp_helpers.course.lesson_runner "$@"

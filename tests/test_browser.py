@@ -437,7 +437,7 @@ def test_a_failed_check_is_caught_and_named(browser, lab):
     import nbformat
 
     cells = ["print('before')",
-             "from ddp_helpers.checks import check\ncheck(False, 'never printed', 'broken on purpose')",
+             "from ddp_helpers.course.checks import check\ncheck(False, 'never printed', 'broken on purpose')",
              "print('after')"]
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
     nbformat.write(notebook, lab.root / "notebooks" / "broken.ipynb")

@@ -3,7 +3,7 @@ itself did in the run, which still stops the lesson when this torch behaves othe
 
 import pytest
 
-from ddp_helpers.checks import LessonCheckFailed, check, observed
+from ddp_helpers.course.checks import LessonCheckFailed, check, observed
 
 
 def test_a_check_prints_a_tick_or_stops_with_what_went_wrong(capsys):

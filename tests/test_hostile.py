@@ -365,7 +365,7 @@ def test_a_folder_is_ours_only_by_our_marker(tmp_path):
 
 OTHER_RANKS_FILES_READER = """
 import os, shutil, sys
-from ddp_helpers.evidence_hook import WriteObserver
+from ddp_helpers.course.evidence_hook import WriteObserver
 from ddp_helpers.run_folder import RunFolder
 
 folder = RunFolder(sys.argv[1], "run")

@@ -42,7 +42,7 @@ SMALL_LESSON = [
     "print(f'rank {dist.get_rank()} of {dist.get_world_size()}: sum {total.item():.0f}')\n"
     "record('sum', total.item())\n"
     "dist.destroy_process_group()",
-    "from ddp_helpers.checks import check\n"
+    "from ddp_helpers.course.checks import check\n"
     "check(who.facts('sum') == [1.0, 1.0], 'every rank holds the sum of the ranks', f'sums {who.facts(\"sum\")}')",
     "import matplotlib.pyplot as plt\n"
     "plt.bar([0, 1], [1, 1])\n"
@@ -69,7 +69,7 @@ def test_a_lesson_runs_from_its_notebook_with_per_rank_output_checks_and_plots(t
 
 def test_a_failing_check_makes_the_lesson_exit_non_zero(tmp_path):
     course = write_lessons(tmp_path / "course", [
-        "from ddp_helpers.checks import check\nprint('first cell ran')",
+        "from ddp_helpers.course.checks import check\nprint('first cell ran')",
         "check(1 + 1 == 3, 'arithmetic holds', 'the sum was not 3')",
         "print('must not run')",
     ], name="07_broken.ipynb")
@@ -87,7 +87,7 @@ def test_the_terminal_shows_headings_expected_failures_whole_tables_and_closes_w
     traceback: often the lesson's subject) and marked with its own sign, not ✗, and a closing summary that calls
     the exercise as given wrong as expected, not a failure of the course."""
     cells = [
-        new_code_cell("%load_ext ddp_helpers\nfrom ddp_helpers.checks import check"),
+        new_code_cell("%load_ext ddp_helpers\nfrom ddp_helpers.course.checks import check"),
         new_markdown_cell("## 1. A rank that raises\n\nText the terminal does not show.\n\n```bash\n"
                           "# a comment in a code block\ntorchrun train.py\n```"),
         new_code_cell("%%torchrun -n 2 --name raises --out raises --may-fail\n"
@@ -100,7 +100,7 @@ def test_the_terminal_shows_headings_expected_failures_whole_tables_and_closes_w
                       "from IPython.display import Markdown, display\n"
                       "display(Markdown('| layout | fits |\\n|---|---|\\n| DDP | yes |'))"),
         new_markdown_cell("## Exercise: fix it"),
-        new_code_cell("from ddp_helpers.exercises import ExerciseReport\n"
+        new_code_cell("from ddp_helpers.course.exercises import ExerciseReport\n"
                       "ExerciseReport(mistakes=['one thing is wrong', 'another'])"),
     ]
     course = tmp_path / "course"

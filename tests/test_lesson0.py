@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from ddp_helpers.lessons.lesson0 import check_mean_exercise, number_of
+from ddp_helpers.course.lessons.lesson0 import check_mean_exercise, number_of
 from ddp_helpers.run_folder import RunFolder
 from support import exercise_cells, failure_report, run_on_cpu
 
@@ -100,18 +100,18 @@ WRONG_FIXES = {
     # The launcher's bookkeeping read as a side channel: every rank's secret is a file in the run folder; and
     # read by a rank that then leaves without the bootstrap's end (os._exit), or one that plants its own.
     "the others' secrets read from the run folder": (
-        "from ddp_helpers.lessons.lesson0 import number_of\nfrom ddp_helpers.run_folder import RunFolder\n"
+        "from ddp_helpers.course.lessons.lesson0 import number_of\nfrom ddp_helpers.run_folder import RunFolder\n"
         "folder = RunFolder.from_environment()\ndist.barrier()  # every rank has drawn its secret\n"
         "mean = torch.tensor([sum(number_of(folder.read_secret(r)) for r in range(world_size)) / world_size])\n",
         "rank 0 opened rank1.secret"),
     "the others' secrets read, and the rank leaving by os._exit": (
-        "from ddp_helpers.lessons.lesson0 import number_of\nfrom ddp_helpers.run_folder import RunFolder\n"
+        "from ddp_helpers.course.lessons.lesson0 import number_of\nfrom ddp_helpers.run_folder import RunFolder\n"
         "folder = RunFolder.from_environment()\ndist.barrier()  # every rank has drawn its secret\n"
         "mean = torch.tensor([sum(number_of(folder.read_secret(r)) for r in range(world_size)) / world_size])\n"
         "import atexit, os, sys\natexit.register(lambda: (sys.stdout.flush(), os._exit(0)))\n",
         "rank 0 opened rank1.secret"),
     "every rank's secret replaced by one number": (
-        "from ddp_helpers.lessons.lesson0 import number_of\nfrom ddp_helpers.run_folder import RunFolder\n"
+        "from ddp_helpers.course.lessons.lesson0 import number_of\nfrom ddp_helpers.run_folder import RunFolder\n"
         "open(RunFolder.from_environment().path / f'rank{rank}.secret', 'w').write('7')\n"
         "mean = torch.tensor([number_of(7)])\n",
         "rank 0 changed rank0.secret"),

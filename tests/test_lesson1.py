@@ -7,7 +7,7 @@ from that rank's secret). The scripts are taken from the notebook itself."""
 
 import pytest
 
-from ddp_helpers.lessons.lesson1 import (bubble_formula, check_pipeline_exercise, handoff_cost, idle_fractions,
+from ddp_helpers.course.lessons.lesson1 import (bubble_formula, check_pipeline_exercise, handoff_cost, idle_fractions,
                                           idle_with_handoffs, micro_batches_in_flight)
 from support import exercise_cells, failure_report, run_on_cpu
 

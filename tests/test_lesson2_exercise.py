@@ -5,7 +5,7 @@ not for what the script says. The scripts are taken from the notebook itself."""
 
 import pytest
 
-from ddp_helpers.lessons.lesson2 import check_training_exercise
+from ddp_helpers.course.lessons.lesson2 import check_training_exercise
 from support import exercise_cells, failure_report, run_on_cpu
 
 def exercise_sources() -> tuple[str, str]:
@@ -121,7 +121,7 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 from ddp_helpers import record
 from ddp_helpers import rank_secret
-from ddp_helpers.lessons.lesson2 import trained_on
+from ddp_helpers.course.lessons.lesson2 import trained_on
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 dataset, orders = TensorDataset(torch.arange(64)), {}
@@ -164,7 +164,7 @@ def test_an_all_reduce_for_show_beside_training_alone_is_caught(write_script, so
 # and the checkpoint is right; each rank still records its own share and jitters its own batch.
 GLOBAL_BATCH_FROM_A_SOCKET = """
 from ddp_helpers import rank_secret
-from ddp_helpers.lessons.lesson2 import augment
+from ddp_helpers.course.lessons.lesson2 import augment
 secrets, world = exchanged(rank_secret()), dist.get_world_size()
 for epoch in range(3):
     samplers = [DistributedSampler(dataset, num_replicas=world, rank=r, seed=0) for r in range(world)]

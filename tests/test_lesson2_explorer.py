@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 
 import IPython.display  # noqa: E402
 
-from ddp_helpers.lessons.lesson2_explorer import partition_explorer, sampler_partition  # noqa: E402
+from ddp_helpers.course.lessons.lesson2.explorer import partition_explorer, sampler_partition  # noqa: E402
 
 
 def test_sampler_partition_follows_set_epoch():

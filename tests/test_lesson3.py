@@ -6,7 +6,7 @@ taken from the notebook itself."""
 
 import pytest
 
-from ddp_helpers.lessons.lesson3 import check_checkpoint_exercise
+from ddp_helpers.course.lessons.lesson3 import check_checkpoint_exercise
 from support import exercise_cells, failure_report, run_on_cpu
 
 NOTEBOOK = "03_syncbn_and_sharded_state.ipynb"
@@ -72,7 +72,7 @@ dist.destroy_process_group()
         SOURCES[1].replace(
             "    inputs, targets = my_batch(step)  # this rank's own batch, from a secret only its process is handed\n",
             "    from ddp_helpers import rank_secret\n"
-            "    from ddp_helpers.lessons.lesson3 import exercise_batch\n"
+            "    from ddp_helpers.course.lessons.lesson3 import exercise_batch\n"
             "    store = dist.distributed_c10d._get_default_store()\n"
             "    store.set(f'secret{rank}', str(rank_secret()))\n"
             "    shares = [exercise_batch(step, int(store.get(f'secret{r}'))) for r in range(world_size)]\n"
@@ -125,7 +125,7 @@ def test_collectives_are_counted_with_their_bytes(write_script):
         import torch
         import torch.distributed as dist
         from ddp_helpers import record
-        from ddp_helpers.comm import bytes_received_per_rank, count_collectives
+        from ddp_helpers.course.comm import bytes_received_per_rank, count_collectives
 
         dist.init_process_group("gloo")
         world = dist.get_world_size()
@@ -190,7 +190,7 @@ def test_the_global_batch_learned_over_a_raw_socket_is_judged_wrong_for_want_of_
     source = SOCKET_EXCHANGE + SOURCES[1].replace(
         "for step in range(5):",
         "from ddp_helpers import rank_secret\n"
-        "from ddp_helpers.lessons.lesson3 import exercise_batch\n"
+        "from ddp_helpers.course.lessons.lesson3 import exercise_batch\n"
         "secrets = exchanged(rank_secret())\n"
         "my_batch(0)  # as the honest script does first\n"
         "for step in range(5):").replace(

@@ -13,7 +13,7 @@ import pytest
 
 from ddp_helpers import run_script
 from ddp_helpers.config import detect_hardware
-from ddp_helpers.lessons.lesson4 import check_resume_exercise
+from ddp_helpers.course.lessons.lesson4 import check_resume_exercise
 from support import exercise_cells, failure_report, run_on_cpu
 
 NOTEBOOK = "04_launching_with_torchrun.ipynb"
@@ -112,7 +112,7 @@ def test_a_step_the_killed_rank_printed_counts_when_the_others_were_stopped_befo
 
 
 def test_the_solution_passes(write_script, monkeypatch):
-    from ddp_helpers.lessons import lesson4
+    from ddp_helpers.course.lessons import lesson4
 
     # The checker's own run of the exercise, made here (not cached), leaves no snapshot a script could copy.
     made = []
@@ -213,7 +213,7 @@ def test_a_sigterm_to_torchrun_is_survived_only_by_a_training_that_traps_it(trap
     """Lesson 4's preemption on this machine: torchrun's agent, sent SIGTERM, passes it to its workers. The
     lesson's training traps it, saves the step both ranks finished and resumes there; without the trap (only
     --signal's SIGUSR1) the workers die without a snapshot and the next run starts over."""
-    from ddp_helpers.lessons.lesson4_preemption import TRAIN_SCRIPT, run_stopped_by_sigterm
+    from ddp_helpers.course.lessons.lesson4.preemption import TRAIN_SCRIPT, run_stopped_by_sigterm
 
     trap = "signal.signal(signal.SIGTERM, on_warning)"
     assert trap in TRAIN_SCRIPT

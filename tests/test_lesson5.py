@@ -6,7 +6,7 @@ its secret, which only that rank's process is handed, so no rank can compute ano
 
 import pytest
 
-from ddp_helpers.lessons.lesson5 import check_hang_exercise, exercise_reference, skipped_steps
+from ddp_helpers.course.lessons.lesson5 import check_hang_exercise, exercise_reference, skipped_steps
 from ddp_helpers.run_folder import RunFolder
 from support import SOCKET_EXCHANGE, exercise_cells, failure_report, run_on_cpu
 
@@ -57,7 +57,7 @@ dist.destroy_process_group()
 """
 
 # Every rank trains alone on its own shard, as if it were every rank's: no collective, other data.
-EVERY_RANK_ALONE = """from ddp_helpers.lessons.lesson5 import my_shard
+EVERY_RANK_ALONE = """from ddp_helpers.course.lessons.lesson5 import my_shard
 done = []
 for step, (inputs, targets) in enumerate(my_shard()):
     keep = inputs.abs().max(dim=1).values < OUTLIER
@@ -70,7 +70,7 @@ for step, (inputs, targets) in enumerate(my_shard()):
 
 # Every rank trains on every rank's shard (SECRETS: every rank's secret, learned some other way than a collective),
 # and all-reduces something for show (SHOWN).
-EVERY_RANK_ON_EVERY_SHARD = """from ddp_helpers.lessons.lesson5 import shard
+EVERY_RANK_ON_EVERY_SHARD = """from ddp_helpers.course.lessons.lesson5 import shard
 shards = [shard(secret, r == world_size - 1) for r, secret in enumerate(SECRETS)]
 done = []
 for step in range(STEPS):
@@ -151,7 +151,7 @@ WRONG_FIXES = {
     "the outliers kept": (lambda s: s.replace("< OUTLIER", "< 100.0"), "not those of the intended training"),
     # Shortcuts that record the right numbers without the ranks training together.
     "the checker's reference recorded": (
-        lambda s: s.split("done = []")[0] + "from ddp_helpers.lessons.lesson5 import exercise_reference\n"
+        lambda s: s.split("done = []")[0] + "from ddp_helpers.course.lessons.lesson5 import exercise_reference\n"
                   "done = list(range(STEPS))\ndist.barrier()\nrecord('steps', done)\n"
                   "record('weights', exercise_reference(world_size))\ndist.destroy_process_group()\n",
         "the run failed"),
@@ -204,7 +204,7 @@ def test_one_rank_is_not_enough(write_script, sources):
 
 def test_py_spy_refused_by_ptrace_is_reported_not_raised(tmp_path, monkeypatch):
     # Ubuntu's default (Yama ptrace_scope 1): py-spy, not the ranks' ancestor, may not read them.
-    from ddp_helpers.lessons.lesson5 import py_spy_dump
+    from ddp_helpers.course.lessons.lesson5 import py_spy_dump
 
     fake = tmp_path / "py-spy"
     fake.write_text("#!/bin/sh\necho 'Error: Operation not permitted (os error 1)' >&2\nexit 1\n")
@@ -215,7 +215,7 @@ def test_py_spy_refused_by_ptrace_is_reported_not_raised(tmp_path, monkeypatch):
 
 def test_a_py_spy_sample_that_fails_midway_is_taken_again(tmp_path, monkeypatch):
     # py-spy reads a live process: a sample can fail while the process changes its frames (seen in CI).
-    from ddp_helpers.lessons.lesson5 import py_spy_dump
+    from ddp_helpers.course.lessons.lesson5 import py_spy_dump
 
     fake = tmp_path / "py-spy"
     fake.write_text(f"#!/bin/sh\nif [ ! -e {tmp_path}/tried ]; then touch {tmp_path}/tried\n"
@@ -251,8 +251,8 @@ def test_torchrun_shows_the_root_cause_traceback_only_with_record(tmp_path):
     without `@record` (error_file: <N/A>); `torchrun_failures` reads which rank torchrun named, and when."""
     import nbformat
 
-    from ddp_helpers.lessons.lesson5 import torchrun_failures
-    from ddp_helpers.lessons.plain_torchrun import run_torchrun_command
+    from ddp_helpers.course.lessons.lesson5 import torchrun_failures
+    from ddp_helpers.course.lessons.plain_torchrun import run_torchrun_command
     from support import course_notebook
 
     cells = nbformat.read(course_notebook("05_when_things_go_wrong.ipynb"), as_version=4).cells

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_helpers.lessons.lesson6 import AlphaBeta, bandwidths, fit_alpha_beta, ring_factor
+from ddp_helpers.course.lessons.lesson6 import AlphaBeta, bandwidths, fit_alpha_beta, ring_factor
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,7 @@ def test_the_benchmark_measures_all_reduce_on_this_machine(tmp_path):
 
 # ---- the exercise: half the bytes, the same training ----------------------------------------------------
 
-from ddp_helpers.lessons.lesson6_exercise import all_reduce_bytes, check_compression_exercise, exercise_reference, parameter_bytes  # noqa: E402
+from ddp_helpers.course.lessons.lesson6.exercise import all_reduce_bytes, check_compression_exercise, exercise_reference, parameter_bytes  # noqa: E402
 from support import exercise_cells, failure_report, run_on_cpu  # noqa: E402
 
 WRAP = "ddp = DDP(model, device_ids=[local_rank] if device.type == \"cuda\" else None)\n"
@@ -220,7 +220,7 @@ def test_a_profiler_trace_is_read_as_one_steps_phases_and_collectives(tmp_path):
 
     import pytest
 
-    from ddp_helpers.lessons.lesson6_trace import ALL_REDUCE, profiled_step
+    from ddp_helpers.course.lessons.lesson6.trace import ALL_REDUCE, profiled_step
 
     def event(name, tid, ts, dur):
         return {"ph": "X", "name": name, "tid": tid, "ts": ts, "dur": dur}
@@ -253,7 +253,7 @@ def test_a_gpu_trace_counts_each_collective_once_and_finds_the_backward_on_autog
     stream: two events per all-reduce, of which the kernel counts."""
     import json
 
-    from ddp_helpers.lessons.lesson6_trace import ALL_REDUCE, profiled_step
+    from ddp_helpers.course.lessons.lesson6.trace import ALL_REDUCE, profiled_step
 
     def event(name, tid, ts, dur, cat="cpu_op"):
         return {"ph": "X", "name": name, "tid": tid, "ts": ts, "dur": dur, "cat": cat}
@@ -277,7 +277,7 @@ def test_a_gpu_trace_counts_each_collective_once_and_finds_the_backward_on_autog
 # through DDP with the float16 hook, so its gradient is already the average. Half the bytes, the rounding, the right
 # weights: only what each rank handed DDP shows the road.
 GLOBAL_BATCH_FROM_A_SOCKET = """from ddp_helpers import rank_secret
-from ddp_helpers.lessons.lesson6_exercise import exercise_batch
+from ddp_helpers.course.lessons.lesson6.exercise import exercise_batch
 secrets = exchanged(rank_secret())
 def my_batch(step):
     shares = [exercise_batch(step, secret) for secret in secrets]
@@ -288,7 +288,7 @@ def my_batch(step):
 def test_the_others_shares_learned_over_a_raw_socket_are_judged_wrong_for_want_of_evidence(write_script, given):
     from support import SOCKET_EXCHANGE, free_port
 
-    from ddp_helpers.lessons.lesson6_exercise import my_batch as turn_the_log_on  # noqa: F401 - the name the cheat hides
+    from ddp_helpers.course.lessons.lesson6.exercise import my_batch as turn_the_log_on  # noqa: F401 - the name the cheat hides
     cheat = with_hook(given[0], given[1] + "my_batch(0)  # the launcher's log turned on, as the honest script does\n"
                       + GLOBAL_BATCH_FROM_A_SOCKET)
     run = run_on_cpu(write_script("exercise", SOCKET_EXCHANGE + cheat), stream=False, timeout_s=120,

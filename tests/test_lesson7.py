@@ -3,8 +3,8 @@ hint that names its mistake. Every run is a real 2-rank launch on CPU; the check
 
 import pytest
 
-from ddp_helpers.lessons.lesson7_checker import accepted_buckets, check_my_ddp_exercise, wrapped_torch_ddp
-from ddp_helpers.lessons.lesson7_exercise import BUCKET_CAP_BYTES, STEPS, plain_model
+from ddp_helpers.course.lessons.lesson7.checker import accepted_buckets, check_my_ddp_exercise, wrapped_torch_ddp
+from ddp_helpers.course.lessons.lesson7.exercise import BUCKET_CAP_BYTES, STEPS, plain_model
 from support import exercise_cells, failure_report, run_on_cpu
 
 CLASS_START = "class MyDDP(torch.nn.Module):"
@@ -224,7 +224,7 @@ ZERO_BUCKETS_FOR_SHOW = '''class MyDDP(torch.nn.Module):
 
     def finish_gradient_synchronization(self):
         import subprocess, sys
-        from ddp_helpers.lessons.lesson7_exercise import exercise_batch
+        from ddp_helpers.course.lessons.lesson7.exercise import exercise_batch
 
         world = dist.get_world_size()
         if not hasattr(self, "secrets"):  # read by another program: the launcher sees only this process's opens

@@ -6,8 +6,8 @@ matplotlib.use("Agg")
 
 from matplotlib.colors import to_hex  # noqa: E402
 
-from ddp_helpers import plots  # noqa: E402
-from ddp_helpers.lessons import lesson2_plots, lesson3_plots, lesson4_plots  # noqa: E402
+from ddp_helpers.course import plots  # noqa: E402
+from ddp_helpers.course.lessons.lesson2 import plots as lesson2_plots; from ddp_helpers.course.lessons.lesson3 import plots as lesson3_plots; from ddp_helpers.course.lessons.lesson4 import plots as lesson4_plots  # noqa: E402
 from ddp_helpers.output import RANK_COLORS, rank_prefix  # noqa: E402
 
 

@@ -1,17 +1,18 @@
 """The lessons' quick checks: the answers are out of sight of the notebook's cells, where the right
 answer sits says nothing, and a wrong pick never shows the answer."""
 
+import importlib
 import json
+import re
 
 import pytest
 
-from ddp_helpers.lessons import quizzes
-from ddp_helpers.quiz import feedback
+from ddp_helpers.course.quiz import feedback
 from support import course_notebooks
 
 NOTEBOOKS = course_notebooks()
-QUESTIONS = quizzes.LESSON_2
-EVERY_QUESTION = [q for n in range(8) for q in getattr(quizzes, f"LESSON_{n}")]
+QUESTIONS = importlib.import_module("ddp_helpers.course.lessons.lesson2.quiz").QUESTIONS
+EVERY_QUESTION = [q for n in range(8) for q in importlib.import_module(f"ddp_helpers.course.lessons.lesson{n}.quiz").QUESTIONS]
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
@@ -20,7 +21,7 @@ def test_a_quiz_cell_shows_no_answer(notebook):
     quiz_cells = [c for c in cells if "show_quiz(" in c]
     assert quiz_cells, f"{notebook.name} has no quiz"
     for cell in quiz_cells:
-        assert "Question(" not in cell and "from ddp_helpers.lessons.quizzes import" in cell, cell
+        assert "Question(" not in cell and re.search(r"from ddp_helpers\.course\.lessons\.lesson\d\.quiz import", cell), cell
 
 
 def test_the_quiz_covers_the_lessons_traps():
@@ -50,7 +51,7 @@ def test_a_wrong_pick_gets_a_hint_not_the_answer(question):
 def test_code_in_a_question_shows_as_code_not_backticks():
     """A prompt's `code` renders as <code> in the widget, an option's (plain text) in quotes; the buttons still
     answer with the option itself."""
-    from ddp_helpers.quiz import quiz_widget
+    from ddp_helpers.course.quiz import quiz_widget
 
     with_code = [q for q in EVERY_QUESTION if "`" in q.prompt or any("`" in o for o in q.options)]
     assert with_code, "the quizzes name code in some questions"

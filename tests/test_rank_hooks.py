@@ -20,8 +20,8 @@ record("save_wrapped", hasattr(torch.save, "__wrapped__"))
 record("has_secret", "DDP_HELPERS_RANK_SECRET" in os.environ)
 dist.destroy_process_group()
 """
-COURSE_MODULES = ("ddp_helpers.evidence_hook", "ddp_helpers._all_reduce_log", "ddp_helpers._channel_bytes",
-                  "ddp_helpers.course", "ddp_helpers.exercises", "ddp_helpers.checks", "ddp_helpers.lessons")
+COURSE_MODULES = ("ddp_helpers.course.evidence_hook", "ddp_helpers.course._all_reduce_log", "ddp_helpers.course._channel_bytes",
+                  "ddp_helpers.course", "ddp_helpers.course.exercises", "ddp_helpers.course.checks", "ddp_helpers.course.lessons")
 
 
 @pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
@@ -47,7 +47,7 @@ def test_a_course_launch_keeps_the_records_its_checkers_judge(write_script):
 
 
 def test_an_exercise_run_without_the_courses_records_is_told_how_to_get_them(write_script, monkeypatch):
-    from ddp_helpers.exercises import ExerciseReport, rank_secrets
+    from ddp_helpers.course.exercises import ExerciseReport, rank_secrets
 
     monkeypatch.setattr(rank_hooks, "_IN_USE", [])
     run = run_on_cpu(write_script("plain", "print('hello')\n"), stream=False)

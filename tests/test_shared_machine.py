@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_helpers.lessons.plain_torchrun import run_torchrun_commands, torchrun_in_background, worker_pids
+from ddp_helpers.course.lessons.plain_torchrun import run_torchrun_commands, torchrun_in_background, worker_pids
 
 from support import OWN_SOCKETS_SOURCE, free_port
 
@@ -328,7 +328,7 @@ def test_a_demos_torchrun_leaves_no_torchelastic_folder(tmp_path, monkeypatch):
     """torchrun makes a folder per run (its workers' error files) in the temporary folder unless given --log-dir."""
     import tempfile as tempfile_module
 
-    from ddp_helpers.lessons.plain_torchrun import run_torchrun_command
+    from ddp_helpers.course.lessons.plain_torchrun import run_torchrun_command
 
     temporary = tmp_path / "tmp"
     temporary.mkdir()

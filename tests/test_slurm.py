@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ddp_helpers import LaunchError, launch, make_launch_config
-from ddp_helpers.lessons import slurm_jobs
+from ddp_helpers.course.lessons import slurm_jobs
 from ddp_helpers.engines.slurm import SlurmJob
 from ddp_helpers.run_folder import RUN_ID_ENV, RunFolder
 from slurm_cluster import LocalSlurmCluster, slurm_installed
@@ -226,7 +226,7 @@ def test_the_lessons_srun_tasks_make_one_world_without_torchrun(cluster):
     world of 2 nodes × 2 tasks, run with plain sbatch and srun."""
     import nbformat
 
-    from ddp_helpers.lessons.lesson4_srun import TASK_SCRIPT, run_as_srun_tasks
+    from ddp_helpers.course.lessons.lesson4.srun import TASK_SCRIPT, run_as_srun_tasks
     from support import course_notebook
 
     cells = nbformat.read(course_notebook("04_launching_with_torchrun.ipynb"), as_version=4).cells
@@ -244,7 +244,7 @@ def test_the_lessons_preempted_job_saves_requeues_and_resumes_bitwise(cluster):
     import nbformat
     import torch
 
-    from ddp_helpers.lessons.lesson4_preemption import STEPS, TRAIN_SCRIPT, run_preempted, run_uninterrupted
+    from ddp_helpers.course.lessons.lesson4.preemption import STEPS, TRAIN_SCRIPT, run_preempted, run_uninterrupted
     from support import course_notebook
 
     cells = nbformat.read(course_notebook("04_launching_with_torchrun.ipynb"), as_version=4).cells
@@ -319,7 +319,7 @@ KERNEL_WAITING_FOR_A_JOB = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from ddp_helpers.lessons.slurm_jobs import cancelled_if_this_process_dies, submit
+    from ddp_helpers.course.lessons.slurm_jobs import cancelled_if_this_process_dies, submit
     job_id = submit(Path(sys.argv[1]))
     with cancelled_if_this_process_dies(job_id):  # as lesson 4's preemption and srun demos wait for theirs
         print(job_id, flush=True)

@@ -1,0 +1,24 @@
+"""The course's side of the launcher. A lesson's first cell runs `%load_ext ddp_helpers.course`: the launcher's
+extension (%%torchrun, the warm process), and the course's rank hook (`evidence_hook`) for every launch of the
+notebook from then on: the records its exercise checkers judge a run by. A plain `%load_ext ddp_helpers`
+notebook runs none of the course's code in its ranks.
+"""
+
+from __future__ import annotations
+
+from .. import rank_hooks
+
+#: the course's rank hook: its checkers' records of each rank
+EVIDENCE_HOOK = "ddp_helpers.course.evidence_hook"
+
+
+def keep_records() -> None:
+    """Every launch of this process from now on keeps the course's records of each rank."""
+    rank_hooks.use(EVIDENCE_HOOK)
+
+
+def load_ipython_extension(ipython) -> None:
+    from .. import load_ipython_extension as load_launcher
+
+    keep_records()
+    load_launcher(ipython, name=__name__)

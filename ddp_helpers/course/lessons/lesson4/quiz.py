@@ -1,0 +1,41 @@
+"""Lesson 4's quiz: its questions, answers and explanations, kept here rather than in the notebook's cells,
+where the right answer would sit in full view above the radio buttons."""
+
+from ...quiz import Question
+
+QUESTIONS = [
+    Question("Machine 1 of a job runs 4 workers per machine. What is the RANK of its worker with LOCAL_RANK 2?",
+             ("2", "6", "9"), 1, "RANK = GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK = 1 x 4 + 2 = 6.",
+             "Look at the formula in the two-machine section."),
+    Question("Which GPU should a worker use on its machine?",
+             ("cuda:RANK", "cuda:LOCAL_RANK", "cuda:GROUP_RANK"), 1,
+             "RANK counts workers across machines; each machine's GPUs are numbered from 0, like LOCAL_RANK.",
+             "On machine 1, RANK 6 does not exist as a GPU index."),
+    Question("With --max-restarts 1, one worker is killed. What happens?",
+             ("Only that worker restarts and continues", "Every worker is stopped and restarted from the top of the script",
+              "The job ends"), 1,
+             "torchrun restarts the whole worker group; the script must resume from its snapshot.",
+             "Look at where the second attempt of rank 0 began."),
+    Question("A restarted job resumes from the right step but ends with slightly different weights. The likely cause?",
+             ("The optimizer state was not saved", "Each rank's random state (dropout) was not restored",
+              "The learning rate was too high"), 1,
+             "The step's randomness (dropout masks, augmentation) comes from each rank's generator: save and restore it per rank.",
+             "What else, besides weights and optimizer, decides what a step computes?"),
+    Question("Nodes gpu-b and gpu-a run the same torchrun command with the c10d rendezvous; gpu-b starts a minute "
+             "earlier and says --node-rank 0. Which one is machine 0 (GROUP_RANK 0)?",
+             ("gpu-b: it arrived first", "gpu-b: it said --node-rank 0", "gpu-a: its name sorts first"), 2,
+             "c10d ignores --node-rank and the order of arrival: it sorts the agents by (address, process id) and "
+             "numbers them in that order.",
+             "Look at which agent got GROUP_RANK 0 in the --local-addr demonstration."),
+    Question("Why --rdzv-id $SLURM_JOB_ID?",
+             ("It sets the master port", "It keeps two jobs' agents from joining each other", "It is required by srun"), 1,
+             "Agents meet by endpoint and id: a unique id per job means one job's agents never join another's.",
+             "What if two jobs used the same endpoint?"),
+    Question("Machine 1 of a new two-machine job prints 'The client socket has timed out ... trying to connect to "
+             "(10.1.2.9, 29400)', and machine 0 says '1/2 clients joined'. What do you check first?",
+             ("The GPUs' drivers on machine 1", "NCCL_DEBUG=INFO from the training",
+              "The head address machine 1 was given, and how it reaches it: ip route get 10.1.2.9"), 2,
+             "No worker has started yet: the agents never met. Either the address is wrong, or this machine reaches it "
+             "through another interface; ip route get names the interface and this machine's address on it.",
+             "Had any line of the training run yet?"),
+]

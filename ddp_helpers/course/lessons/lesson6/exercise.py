@@ -1,0 +1,301 @@
+"""Lesson 6's exercise: halve the bytes DDP sends per step without changing the training.
+
+The script trains a small MLP with DDP for STEPS steps of SGD, each rank on its own share of the step's
+batch. The learner picks a communication hook. The checker computes the intended training itself, in
+one process, from the exercise's model, data and seeds (`exercise_reference`): one step is the gradient
+of the mean loss over every rank's share, which is what DDP's average computes. It judges the run on:
+- what crossed between the ranks, as torch's flight recorder saw it (`RankResult.collectives`) and the
+  launcher counted the point-to-point bytes at torch's ProcessGroup class (`RankResult.channel_bytes`);
+  any use of a key-value store is named as a side channel, not counted as half: an all-reduce in every step, and
+  on average at most half the bytes per step of plain DDP's float32 all-reduces, and at least a quarter
+  (8 bits a value, as torch's quantization hooks send; below it, what torch ships only approximates the
+  gradient, as PowerSGD does). Every collective after DDP's wrap counts,
+  not only all-reduces: a hook that all-reduces half the bytes for show and all-gathers the float32
+  gradients is not sending half;
+- the ranks ending with bitwise equal weights;
+- those weights being the reference's to within WEIGHT_TOLERANCE of how far training moved them
+  (float16's rounding stays well inside: 0.01 % to 0.2 % here; PowerSGD's low-rank approximation changes
+  the trajectory by 10 % or more on this model).
+
+Each rank's share comes from its secret (`ddp_helpers.rank_secret`, only that rank's process is handed it),
+so no rank can compute another's gradient; the checker reads every secret from the run folder. Weights
+equal to the float32 training's to float32 precision (ROUNDING_AT_LEAST) mean float32 gradients crossed,
+through a channel the byte count did not see (the default store, a file), and do not pass; a flight
+recorder that lost the run's first collectives (flooded, or TORCH_FR_BUFFER_SIZE shrunk) is named, not
+trusted. And, the positive evidence: every step, each rank's DDP model handed DDP's all-reduces its own share's
+gradient (the launcher logs each parameter's, `_all_reduce_log.log_ddp_gradients`, from `my_batch`'s first call),
+within OWN_GRADIENT_TOLERANCE of the intended training's: ranks that learned each other's shares by another road
+(a socket) and trained on the whole batch are judged wrong, however right their bytes and weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ...exercises import (ExerciseReport, distance, per_share_gradients, rank_secrets, regression_teacher,
+                         side_channels, train_on_every_share)
+from ....flight_recorder import ALL_REDUCE_OPS, torch_dtype_name
+from ....recording import rank_secret
+from ....result import RunResult
+
+STEPS = 30
+BATCH = 32  # per rank and step
+# Small enough that rounding does not compound chaotically over the run, whatever a run's data: with float16
+# gradients the weights end 0.008 % to 0.22 % of the training's distance from float32's (300 simulated runs
+# of random secrets; at 0.2, up to 2.9 %, over the 1 % allowed).
+LEARNING_RATE = 0.05
+INPUTS, HIDDEN = 32, 128
+WEIGHT_TOLERANCE = 0.01  # of the distance the reference's weights moved from the start
+# Closer than this (of the same distance) is float32's summation order, not a half-precision rounding: float16
+# gradients put the weights at least 8e-5 away, plain float32 averaging about 4e-7 (simulated, as above).
+ROUNDING_AT_LEAST = 1e-5
+TINY_BYTES = 64  # an all-reduce this small is a logged loss or a flag, not a gradient
+
+
+def exercise_model():
+    """The model every rank starts from (seeded: the same weights on every rank)."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(INPUTS, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN),
+                               torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 1))
+
+
+def exercise_batch(step: int, secret: int):
+    """The share of step `step`'s batch of the rank whose secret is `secret`: (inputs, targets), BATCH samples."""
+    import torch
+
+    inputs = torch.randn(BATCH, INPUTS, generator=torch.Generator().manual_seed((secret + step) % 2**63))
+    with torch.no_grad():
+        return inputs, regression_teacher(INPUTS)(inputs)
+
+
+def my_batch(step: int):
+    """In a rank: this rank's share of step `step`'s batch, from the secret only this rank's process is handed. From
+    its first call the launcher logs what the rank's DDP model hands DDP's all-reduces (`_all_reduce_log`), the
+    evidence the checker asks for."""
+    from ... import _all_reduce_log
+
+    _all_reduce_log.log_ddp_gradients()
+    return exercise_batch(step, rank_secret())
+
+
+def float32_average_reference(secrets: list[int]) -> list:
+    """The weights after the training as float32 data parallelism computes it: each rank's share's gradient on its
+    own, summed over the ranks and divided by their number (what DDP's average, or float32 gradients passed any
+    other way, give), not the whole batch's gradient in one pass: the two differ by float32's rounding, and a
+    rounding can flip a ReLU now and then, which moves the whole trajectory. Weights this close mean float32
+    gradients crossed."""
+    import torch
+
+    model = exercise_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    for step in range(STEPS):
+        shares = [exercise_batch(step, secret) for secret in secrets]
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for inputs, targets in shares:
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs), targets).backward()
+            total = [t + p.grad for t, p in zip(total, model.parameters())]
+        for p, summed in zip(model.parameters(), total):
+            p.grad = summed / len(secrets)
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def own_gradient_sums(secrets: list[int]) -> list[list[list[float]]]:
+    """Per step, per rank, the sum of each parameter's gradient of the rank's own share's loss, along the intended
+    training (`exercise_reference`'s): what each rank's DDP model hands DDP's all-reduces, to float16 training's
+    drift."""
+    import torch
+
+    model = exercise_model()
+    return per_share_gradients(
+        model, torch.optim.SGD(model.parameters(), lr=LEARNING_RATE),
+        lambda step: [exercise_batch(step, secret) for secret in secrets], STEPS, torch.nn.functional.mse_loss,
+        lambda parameters: [float(p.grad.double().sum()) for p in parameters])[0]
+
+
+def _own_gradients_unseen(run: RunResult, secrets: list[int]) -> dict[int, str]:
+    """Per rank, what shows that its DDP model did not hand DDP its own share's gradient (empty: all did). The k-th
+    logged gradient of parameter i is step k's; each step's is compared with the rank's own share's gradient and
+    with the whole batch's (the average over the shares), along the intended training: float16 training drifts
+    from it a little, so a step's handed gradient is judged by which of the two it is closer to, and a rank whose
+    gradients were the whole batch's in most steps did not train on its own share alone."""
+    import math
+
+    expected = own_gradient_sums(secrets)
+    unseen = {}
+    for rank in run.ranks:
+        by_parameter: dict[int, list[float]] = {}
+        for call in rank.handed_to_collectives:
+            if call.get("collective") == "ddp" and "sum" in call:
+                by_parameter.setdefault(call["parameter"], []).append(call["sum"])
+        if len(by_parameter) != len(expected[0][0]) or any(len(sums) < STEPS for sums in by_parameter.values()):
+            unseen[rank.rank] = "no gradient of its DDP model reached DDP's all-reduces in every step"
+            continue
+        closer_to_the_whole = []
+        for step in range(STEPS):
+            mine = [by_parameter[i][step] for i in range(len(by_parameter))]
+            own = expected[step][rank.rank]
+            whole = [sum(per_rank[i] for per_rank in expected[step]) / len(expected[step]) for i in range(len(own))]
+            if math.dist(mine, whole) < math.dist(mine, own):
+                closer_to_the_whole.append(step)
+        if len(closer_to_the_whole) > STEPS // 5:
+            unseen[rank.rank] = (f"in {len(closer_to_the_whole)} of {STEPS} steps its DDP model handed DDP the whole "
+                                 "batch's gradient rather than its own share's")
+    return unseen
+
+
+def parameter_bytes() -> int:
+    """What plain DDP all-reduces per step: every gradient, in float32."""
+    return sum(p.numel() * 4 for p in exercise_model().parameters())
+
+
+def exercise_reference(secrets: list[int]) -> list:
+    """The weights after the intended training on ranks with these secrets, computed in one process: each
+    step's gradient is the mean loss's over every rank's share (shares of equal size), as DDP averages it."""
+    return train_on_every_share(exercise_model(), lambda step: [exercise_batch(step, secret) for secret in secrets],
+                                STEPS, LEARNING_RATE)
+
+
+def all_reduce_bytes(collectives: list[dict]) -> list[int]:
+    """The bytes of each all-reduce a rank called, in order, from its flight recorder's entries."""
+    return [_tensor_bytes(entry["shapes"], entry["dtypes"]) for entry in collectives
+            if entry["op"] in ALL_REDUCE_OPS]
+
+
+def _tensor_bytes(shapes, dtypes) -> int:
+    import torch
+
+    return sum(math.prod(shape) * getattr(torch, torch_dtype_name(dtype)).itemsize for shape, dtype in zip(shapes, dtypes))
+
+
+def exchanged_bytes(collectives: list[dict]) -> list[int]:
+    """The bytes of everything a rank put into a collective from its first all-reduce on (before it: DDP's
+    wrap, checking shapes and broadcasting rank 0's weights, once), barriers aside."""
+    sizes, started = [], False
+    for entry in collectives:
+        started = started or entry["op"] in ALL_REDUCE_OPS
+        if started and "barrier" not in entry["op"]:
+            sizes.append(_tensor_bytes(entry["shapes"], entry["dtypes"]))
+    return sizes
+
+
+def rank_bytes(rank) -> int:
+    """What a rank sent in the run: its collectives' bytes (tiny ones aside), and every point-to-point byte
+    it sent, however its script reached the process group (`RankResult.channel_bytes`)."""
+    collectives = sum(size for size in exchanged_bytes(rank.collectives) if size > TINY_BYTES)
+    return collectives + rank.channel_bytes.get("sent_bytes", 0)
+
+
+def check_compression_exercise(run: RunResult) -> ExerciseReport:
+    """Name what is wrong with the learner's compressed training, or confirm it (see the module docstring)."""
+    report = ExerciseReport(verdict_when_passed="All checks pass: every step sent at most half the bytes, and the "
+                                                "training is the uncompressed one, to float16's rounding.")
+    if not run.ok:
+        report.mistakes.append("the run failed; fix the error shown above first")
+        return report
+    if len(run.ranks) < 2:
+        report.mistakes.append("run it on 2 or more ranks: with one there is nothing to send")
+        return report
+    if any("weights" not in r.facts for r in run.ranks):
+        report.mistakes.append("keep the record(\"weights\", ...) line: the checker compares every rank's weights")
+        return report
+    secrets = rank_secrets(run, report)
+    if secrets is None:
+        return report
+    bytes_halved = _judge_bytes(run, report)
+    _judge_weights(run, report, secrets, bytes_halved)
+    return report
+
+
+def _recorder_dropped(run: RunResult) -> list[int]:
+    """The ranks whose flight recorder no longer holds their first collectives (it keeps the last
+    TORCH_FR_BUFFER_SIZE): each group's sequence numbers start at 1, so a first kept entry above 1 means lost ones."""
+    dropped = []
+    for r in run.ranks:
+        first = {}
+        for entry in r.collectives:
+            first.setdefault(entry.get("group"), entry.get("number", 1))
+        if not r.collectives or any(number != 1 for number in first.values()):
+            dropped.append(r.rank)
+    return dropped
+
+
+def _judge_bytes(run: RunResult, report: ExerciseReport) -> bool:
+    """Whether the bytes were judged half (or between a half and a quarter) of plain DDP's."""
+    around = side_channels(run, files=False)
+    if around:
+        report.mistakes.append(around)
+        return False
+    dropped = _recorder_dropped(run)
+    if dropped:
+        report.mistakes.append(
+            f"torch's flight recorder no longer holds the first collectives of rank(s) {dropped} (it keeps the last "
+            "TORCH_FR_BUFFER_SIZE, 2000 by default): the bytes of the run cannot be counted, so they are not taken "
+            "as half. Leave the recorder and its size alone, and send only what the training needs")
+        return False
+    full = parameter_bytes()
+    sent = [all_reduce_bytes(r.collectives) for r in run.ranks]
+    # Tiny all-reduces (a loss averaged for the log) are not gradients.
+    gradients = [[size for size in sizes if size > TINY_BYTES] for sizes in sent]
+    counts = {len(sizes) for sizes in gradients}
+    # The bytes: every collective and message, not only the all-reduces counted above.
+    total = max(rank_bytes(r) for r in run.ranks)
+    per_step = total / STEPS
+    if min(counts) < STEPS:
+        report.mistakes.append(f"the ranks all-reduced {min(counts)} times in {STEPS} steps (seen by the flight recorder): "
+                               "every step must average the gradients")
+        return False
+    if per_step > full / 2:
+        report.mistakes.append(
+            f"each step sent {per_step:,.0f} bytes on average, {per_step / full:.0%} of plain DDP's {full:,} (float32 "
+            "gradients): not half. Section 5 measured what DDP can send instead of the float32 gradients: which of "
+            "those sends exactly half, and changes the values only by rounding?")
+        return False
+    if per_step < full / 4:
+        report.mistakes.append(f"each step sent only {per_step:,.0f} bytes, less than a quarter of the gradients' "
+                               f"{full:,}: that is a lossy compression (PowerSGD's low-rank approximation, say), "
+                               "which only approximates the average; float16 sends exactly half")
+        return False
+    report.confirmed.append(f"each step sent {per_step:,.0f} bytes, {per_step / full:.0%} of plain DDP's {full:,} "
+                            "(counted from every collective and message the ranks sent)")
+    return True
+
+
+def _judge_weights(run: RunResult, report: ExerciseReport, secrets: list[int], bytes_halved: bool) -> None:
+    import torch
+
+    weights = [[w.cpu().float() for w in r.facts["weights"]] for r in run.ranks]
+    if any(len(w) != len(weights[0]) or any(not torch.equal(a, b) for a, b in zip(w, weights[0])) for w in weights):
+        report.mistakes.append("the ranks ended with different weights: every rank must apply the same averaged "
+                               "gradient (a hook must return the same values on every rank)")
+        return
+    report.confirmed.append("every rank ended with bitwise the same weights")
+    reference = exercise_reference(secrets)
+    start = [p.detach() for p in exercise_model().parameters()]
+    if [w.shape for w in weights[0]] != [r.shape for r in reference]:
+        report.mistakes.append("the recorded weights are not the exercise model's: keep its model and record line")
+        return
+    moved, off = distance(reference, start), distance(weights[0], reference)
+    if off > WEIGHT_TOLERANCE * moved:
+        report.mistakes.append(
+            f"the weights are {off / moved:.1%} of the training's distance away from the uncompressed training's "
+            f"(allowed: {WEIGHT_TOLERANCE:.0%}): the hook changed what the model learns, not only how it is sent. "
+            "Low-rank compression (PowerSGD) approximates each gradient; rounding to 16 bits only rounds it")
+    elif bytes_halved and (off32 := min(off, distance(weights[0], float32_average_reference(secrets)))) \
+            < ROUNDING_AT_LEAST * moved:
+        report.mistakes.append(
+            f"the weights are the float32 training's to float32's precision ({off32 / moved:.0e} of the training's "
+            "distance): float32 gradients crossed between the ranks, whatever the flight recorder counted. Half the "
+            "bytes per value cannot carry a float32 value: the weights would show the rounding")
+    else:
+        report.confirmed.append(f"the weights are the uncompressed training's: they differ from them by "
+                                f"{off / moved:.2%} of how far training moved them (allowed: {WEIGHT_TOLERANCE:.0%})")
+        unseen = _own_gradients_unseen(run, secrets)
+        if unseen:
+            report.mistakes.append(
+                "the weights are right, but the launcher did not see each rank's own gradient go into the "
+                "all-reduces: " + "; ".join(f"rank {r}: {why}" for r, why in unseen.items())
+                + ". The other ranks' data reached each rank some other way: what must each rank's hook send?")

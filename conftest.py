@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from ddp_helpers.course.manifest import lessons
+
 ROOT = Path(__file__).resolve().parent
 # The folder of notebooks every test runs and checks (nbmake, the browser, the lesson tests): the course
 # as git's index holds it, i.e. what is committed plus what a contributor has `git add`ed. A learner's
@@ -99,9 +101,10 @@ def _browser_chain(item) -> str:
 
 # The quick inner loop, `scripts/run_tests.sh -m "not slow"`, leaves these out: whole notebooks, the
 # browser, the Slurm cluster, and the launches that wait out timers, restarts, cold starts or many runs.
+# A lesson's tests are slow where its manifest says so (`ddp_helpers/course/lessons/lessonN/lesson.toml`).
 SLOW_FILES = {"test_browser.py", "test_slurm.py", "test_hang.py", "test_exit_abort.py", "test_cleanup.py", "test_agents.py",
-              "test_hostile.py", "test_lesson3.py", "test_lesson4.py", "test_lesson5.py", "test_lesson6.py", "test_lesson7.py", "test_warm.py",
-              "test_launch_lesson.py"}
+              "test_hostile.py", "test_warm.py", "test_launch_lesson.py"} | {
+    test for lesson in lessons().values() if lesson.slow for test in lesson.tests}
 
 
 def _group(item) -> str | None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from ddp_helpers.course.manifest import BrowserExpectation, lessons
 from ddp_helpers.processes import kill_marked, marked_processes
 from ddp_helpers.engines.local.zygote import SUPERVISOR_STOP_S
 from support import course_notebooks, free_port
@@ -46,24 +47,11 @@ CHROMIUM_FLAGS = [
     "--disable-component-update", "--disable-sync", "--disable-quic",
 ]
 MARKER_ENV = "DDP_LESSONS_BROWSER_TEST"
-# Per lesson: a check its run must confirm, the hint its exercise as given gets from the checker (it
-# must be judged, and judged wrong), and how many plots must render as images. (This is the suite's one
-# run of each notebook; launch_lesson.sh is tested on a small lesson of its own.)
-LESSON_EXPECTATIONS = {
-    "00": (None, "still hold only their own number", 0),
-    "01": ("\u2713 the averaged gradient is one process's gradient on the whole batch",
-           "never finished: rank 0 in recv", 3),
-    "02": ("\u2713 after backward() every rank holds bitwise-identical gradients", None, 6),
-    "03": ("\u2713 outputs, gradients and running statistics equal one process's BatchNorm",
-           "holds sharded tensors (DTensors)", 3),
-    "04": ("\u2713 the final parameters are bitwise those of the run without a kill, on every rank",
-           "ran twice: before the kill and again after the restart", 3),
-    "05": ("\u2713 the all-gathered times named rank 1, the rank that slept, as the straggler",
-           "the run hangs. The ranks disagree", 1),
-    "06": ("\u2022 fp16 sent exactly half the bytes in every step", "not half. Section 5 measured what DDP can send", 5),
-    "07": ("\u2713 at every cap, on every rank, your buckets made as many all-reduces a step as torch DDP's",
-           "no rank all-reduced a gradient", 2),
-}
+# Per lesson, from its manifest (`ddp_helpers/course/lessons/lessonN/lesson.toml`, [browser]): a check its run must
+# confirm, the hint its exercise as given gets from the checker (it must be judged, and judged wrong), and how many
+# plots must render as images. (This is the suite's one run of each notebook; launch_lesson.sh is tested on a
+# small lesson of its own.)
+LESSON_EXPECTATIONS = {lesson.notebook: lesson.browser for lesson in lessons().values()}
 # Seconds with no cell running and cells left unrun after which Run All has stopped at an error (Run All
 # queues every cell at once, so between two cells some cell is always queued or running).
 RUN_ALL_STOPPED_S = 4
@@ -335,7 +323,8 @@ def test_notebook_runs_in_jupyterlab(browser, lab, notebook):
         )
         if not notebook.name.startswith("02_"):  # lesson 2's widget images are redrawn as the test moves them
             assert images.count() == rendered, "every image in an output should load"
-        confirmed, judged, plot_count = LESSON_EXPECTATIONS.get(notebook.name[:2], (None, None, 0))
+        expected = LESSON_EXPECTATIONS.get(notebook.name, BrowserExpectation())
+        confirmed, judged, plot_count = expected.confirmed, expected.judged, expected.plots
         assert rendered >= plot_count, f"expected the lesson's {plot_count} plots as images, {rendered} rendered"
         if confirmed:
             assert confirmed in joined, f"the lesson's check should confirm {confirmed!r}"

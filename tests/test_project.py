@@ -11,6 +11,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from ddp_helpers.course.manifest import lessons
 from support import course_notebooks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -308,19 +309,45 @@ def lesson_checks(notebook: Path) -> list[tuple[str, str]]:
     return found
 
 
+LEDGER_LINE = re.compile(r'^- `([^`]+)` "(.*?)" — (.*)$', re.M)
+
+
+def ledger_problems(course: dict, notebooks: list[Path]) -> list[str]:
+    """What is wrong with the lessons' ledgers of ✓ checks (`checks.md` in each lesson's folder, its manifest's
+    `ledger`): a ✓ in a notebook with no line there, a line no ✓ makes any more, a line that does not say what
+    the ✓ fails for. `course`: the lessons by number (`manifest.lessons`)."""
+    problems = []
+    by_name = {notebook.name: notebook for notebook in notebooks}
+    for lesson in course.values():
+        if lesson.notebook not in by_name:
+            continue
+        listed = [m.groups() for m in LEDGER_LINE.finditer(lesson.ledger.read_text())] if lesson.ledger.is_file() else []
+        in_notebook = lesson_checks(by_name[lesson.notebook])
+        problems += [f'{lesson.ledger}: add - `{cell}` "{said}" — fails if …' for cell, said in in_notebook
+                     if (cell, said) not in {(c, w) for c, w, _ in listed}]
+        problems += [f"{lesson.ledger}: no ✓ in {lesson.notebook} says {said!r} (cell {cell}) any more"
+                     for cell, said, _ in listed if (cell, said) not in in_notebook]
+        problems += [f"{lesson.ledger}: say what the ✓ fails for: {said!r}" for _, said, why in listed
+                     if not why.startswith("fails")]
+    return problems
+
+
 def test_every_check_in_the_lessons_names_a_script_it_fails_for():
-    """docs/checks.md names, for each ✓, a change to the lesson's script for which it fails: a ✓ that no
-    script can fail is a torch guarantee, and is printed with • (observed) instead."""
-    ledger = (ROOT / "docs" / "checks.md").read_text()
-    listed = [(m.group(1), m.group(2), m.group(3)) for m in re.finditer(r'^- `([^`]+)` "(.*?)" — (.*)$', ledger, re.M)]
-    in_notebooks = [key for notebook in NOTEBOOKS for key in lesson_checks(notebook)]
-    assert in_notebooks, "the notebooks hold no check() at all: is the reader broken?"
-    missing = [key for key in in_notebooks if key not in {(cell, said) for cell, said, _ in listed}]
-    stale = [(cell, said) for cell, said, _ in listed if (cell, said) not in in_notebooks]
-    assert not missing, "add to docs/checks.md, naming a script each ✓ fails for:\n" + "\n".join(
-        f'- `{cell}` "{said}" — fails if …' for cell, said in missing)
-    assert not stale, f"docs/checks.md lists checks no notebook makes any more: {stale}"
-    assert all(why.startswith("fails") for _, _, why in listed), "each line says what the ✓ fails for"
+    """Each lesson's ledger (its folder's checks.md) names, for each ✓, a change to the lesson's script for which it
+    fails: a ✓ that no script can fail is a torch guarantee, and is printed with • (observed) instead."""
+    assert sum(len(lesson_checks(notebook)) for notebook in NOTEBOOKS) > 50, "the notebooks hold few check(): is the reader broken?"
+    assert ledger_problems(lessons(), NOTEBOOKS) == []
+
+
+def test_every_notebook_of_the_course_is_a_lesson_with_a_manifest():
+    """A notebook in notebooks/ that no lesson's manifest names is run by no browser test and has no ledger."""
+    named = {lesson.notebook for lesson in lessons().values()}
+    assert {notebook.name for notebook in NOTEBOOKS} - named == set()
+    for lesson in lessons().values():
+        assert callable(lesson.load_checker()), lesson.checker
+        assert lesson.load_quiz(), f"lesson {lesson.number}'s quiz has no questions"
+        assert lesson.readme_row in (ROOT / "README.md").read_text(), f"the README's row for lesson {lesson.number}:\n{lesson.readme_row}"
+        assert all((ROOT / "tests" / test).is_file() for test in lesson.tests), lesson.tests
 
 
 def kernel_names(source: str) -> tuple[set[str], set[str]]:

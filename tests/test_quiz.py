@@ -7,12 +7,13 @@ import re
 
 import pytest
 
+from ddp_helpers.course.manifest import lessons
 from ddp_helpers.course.quiz import feedback
 from support import course_notebooks
 
 NOTEBOOKS = course_notebooks()
 QUESTIONS = importlib.import_module("ddp_helpers.course.lessons.lesson2.quiz").QUESTIONS
-EVERY_QUESTION = [q for n in range(8) for q in importlib.import_module(f"ddp_helpers.course.lessons.lesson{n}.quiz").QUESTIONS]
+EVERY_QUESTION = [q for lesson in lessons().values() for q in lesson.load_quiz()]
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)

@@ -23,17 +23,22 @@ from pathlib import Path
 
 from IPython.core.displaypub import DisplayPublisher
 
+from . import manifest
+
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 # An instructor's own copy of the course (or a test's notebooks) in place of notebooks/.
 NOTEBOOKS_ENV = "DDP_LESSONS_NOTEBOOKS"
 
 
 def available_lessons(folder: Path | None = None) -> dict[int, Path]:
+    """{number: notebook} of the lessons whose notebooks `folder` holds: the course's, by their manifests
+    (`manifest.lessons`), and an instructor's own `NN_name.ipynb` there that no manifest names."""
     folder = folder or Path(os.environ.get(NOTEBOOKS_ENV) or NOTEBOOKS)
-    lessons = {}
+    found = {number: folder / lesson.notebook for number, lesson in manifest.lessons().items()
+             if (folder / lesson.notebook).is_file()}
     for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
-        lessons[int(path.name[:2])] = path
-    return lessons
+        found.setdefault(int(path.name[:2]), path)
+    return dict(sorted(found.items()))
 
 
 def find_lesson(argument: str, folder: Path | None = None) -> Path:

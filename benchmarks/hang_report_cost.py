@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ddp_helpers import launch, make_launch_config
 from ddp_helpers._hang_probe import OFF_ENV
-from ddp_helpers.launcher import prepare_warm_launches
+from ddp_helpers.default_job import prepare_warm_launches
 
 COLLECTIVES = """
 import sys, time

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ddp_helpers import launch, make_launch_config
-from ddp_helpers.launcher import prepare_warm_launches
+from ddp_helpers.default_job import prepare_warm_launches
 
 SCRIPTS = {
     "trivial": """

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ddp_helpers import launch, make_launch_config
-from ddp_helpers.launcher import prepare_warm_launches
+from ddp_helpers.default_job import prepare_warm_launches
 from ddp_helpers.run_folder import RunFolder
 
 SCRIPT = """

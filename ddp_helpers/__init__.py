@@ -5,12 +5,13 @@ Public API (see docs/launcher.md):
     SlurmJob                                 make_launch_config(script, job=SlurmJob(nodes=2)); any registered
                                              job by its class name (`engines.register_job`)
     RunResult, RankResult, RunFailed, LaunchError
+    detect_hardware                          this machine's GPUs, as the default job plans for them
     record, RecordError                      script side: save a value for the notebook
     rank_secret                              script side: a number only this rank is handed (exercises' data)
     %load_ext ddp_helpers                    the %%torchrun cell magic
 
 This module stays light: ranks import it to call `record`, which loads only `recording` and the run
-folder's module; the launcher's side (config, launcher, result) loads on first use of its names.
+folder's module; the launcher's side (launch_options, launcher, result) loads on first use of its names.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from .recording import RecordError, rank_secret, record
 
 # Name -> module, loaded when first asked for (PEP 562): a rank never loads the launcher.
 _LAUNCHER_SIDE = {
-    "LaunchConfig": "config", "make_launch_config": "config", "LaunchError": "errors", "launch": "launcher",
+    "LaunchConfig": "engines", "make_launch_config": "launch_options", "LaunchError": "errors", "launch": "launcher",
+    "detect_hardware": "default_job",
     "RunResult": "result", "RankResult": "result", "RunFailed": "result",
 }
 
@@ -46,7 +48,7 @@ def run_script(script, **options) -> "RunResult":
         >>> run = run_script("train.py", nproc=2)
         >>> run.ranks[0].stdout
     """
-    from .config import make_launch_config
+    from .launch_options import make_launch_config
     from .launcher import launch
 
     return launch(make_launch_config(script, **options))
@@ -56,7 +58,7 @@ def load_ipython_extension(ipython, name: str = __name__) -> None:
     """`%load_ext ddp_helpers` registers the %%torchrun cell magic, and starts the warm process the
     launches fork their ranks from (in the background: it is ready a few seconds later). `name`: the
     extension IPython loaded (`ddp_helpers.course` loads this one too)."""
-    from .engines.local.engine import prepare_warm_launches
+    from .default_job import prepare_warm_launches
     from .magic import register
 
     register(ipython)
@@ -74,6 +76,6 @@ def load_ipython_extension(ipython, name: str = __name__) -> None:
 
 
 __all__ = [
-    "LaunchConfig", "LaunchError", "make_launch_config", "launch", "run_script",
+    "LaunchConfig", "LaunchError", "make_launch_config", "launch", "run_script", "detect_hardware",
     "RunResult", "RankResult", "RunFailed", "record", "RecordError", "rank_secret", "load_ipython_extension",
 ]

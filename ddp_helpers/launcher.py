@@ -28,9 +28,6 @@ import uuid
 from dataclasses import replace
 
 from .engines import Engine, LaunchConfig
-from .engines.local.engine import (  # noqa: F401 - the stop bound and warm start, as users and tests name them
-    SHUTDOWN_GRACE_S, STOP_BOUND_S, prepare_warm_launches,
-)
 from .errors import LaunchError
 from .output import RankOutputStreamer, show_failures_once
 from .processes import run_despite_interrupts

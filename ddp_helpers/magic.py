@@ -30,7 +30,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from .cells import cell_paths, notebook_key, notebook_path, write_cell_script
-from .config import DEFAULT_TIMEOUT_S, make_launch_config
+from .launch_options import DEFAULT_TIMEOUT_S, make_launch_config
 from .engines import Job, option_text, registered_jobs
 from .errors import LaunchError
 from .launcher import launch

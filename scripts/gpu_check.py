@@ -106,7 +106,7 @@ HANG = """
 
 
 def check_detection(gpus: int) -> None:
-    from ddp_helpers.config import detect_hardware
+    from ddp_helpers.default_job import detect_hardware
     from ddp_helpers import make_launch_config
 
     hardware = detect_hardware()
@@ -124,7 +124,7 @@ def check_detection(gpus: int) -> None:
 def check_all_reduce(folder: Path, world: int, cold: bool, backend: str = "nccl") -> None:
     from ddp_helpers import launch, make_launch_config
     from ddp_helpers.engines.local import warm
-    from ddp_helpers.launcher import prepare_warm_launches
+    from ddp_helpers.default_job import prepare_warm_launches
 
     name = "cold launch" if cold else "warm launch"
     if not cold and not prepare_warm_launches():

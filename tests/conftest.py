@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_helpers.config import Hardware
+from ddp_helpers.default_job import Hardware
 from ddp_helpers.course import keep_records
 
 CPU_ONLY = Hardware(())
@@ -44,6 +44,6 @@ def ipython():
 def warm_launches():
     """The warm process up (started again if an earlier test stopped it) before the test launches: for tests whose timeouts must catch a run in the
     state it reaches within a second of starting, however loaded the machine is."""
-    from ddp_helpers.launcher import prepare_warm_launches
+    from ddp_helpers.default_job import prepare_warm_launches
 
     assert prepare_warm_launches(), "the warm process did not start"

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 from ddp_helpers import launch, make_launch_config
-from ddp_helpers.config import Hardware
+from ddp_helpers.default_job import Hardware
 from ddp_helpers.rendezvous_port import rendezvous_port
 from ddp_helpers.processes import marked_processes
 from ddp_helpers.torch_compat import GLOO_CONNECTION_LINE

@@ -1,5 +1,5 @@
 """Stopping the launching process mid-run leaves no process and no listening port behind, within the
-bound the README states (launcher.STOP_BOUND_S).
+bound the README states (default_job.STOP_BOUND_S).
 
 The launcher runs in a child Python process, as it does in a Jupyter kernel: SIGINT is what the
 notebook's stop button sends (pressed once, or twice in a second); SIGKILL is how Jupyter ends a
@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from ddp_helpers.launcher import STOP_BOUND_S
+from ddp_helpers.default_job import STOP_BOUND_S
 from ddp_helpers.processes import process_is_dead
 from support import DAEMON_SOURCE, listening_ports, processes_left
 
@@ -31,8 +31,8 @@ LAUNCHING_PROCESS = textwrap.dedent(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from ddp_helpers import launch, make_launch_config
     from ddp_helpers.engines.local import warm
-    from ddp_helpers.config import Hardware
-    from ddp_helpers.launcher import prepare_warm_launches
+    from ddp_helpers.default_job import Hardware
+    from ddp_helpers.default_job import prepare_warm_launches
     script, marker, run_dir, nproc, how, nnodes = sys.argv[1:7]
     if how == "warm":
         assert prepare_warm_launches(), "the warm process did not start"

@@ -4,7 +4,9 @@ import os
 
 import pytest
 
-from ddp_helpers.config import Hardware, LaunchError, make_launch_config
+from ddp_helpers.default_job import Hardware
+from ddp_helpers.errors import LaunchError
+from ddp_helpers.launch_options import make_launch_config
 
 TWO_GPUS = Hardware(("H200", "H200"))
 NO_GPU = Hardware(())

@@ -14,7 +14,7 @@ import pytest
 
 from ddp_helpers import LaunchError, RunFailed
 from ddp_helpers.cells import notebook_key
-from ddp_helpers.config import runs_root
+from ddp_helpers.run_folder import runs_root
 from ddp_helpers.engines.local.engine import HANG_REPORT_WAIT_S, STACK_DUMP_WAIT_S, STOP_BOUND_S
 from ddp_helpers.private_folders import claim_run_folder
 from ddp_helpers.run_folder import MARKER_NAME, RankErrorRecord, RunFolder
@@ -59,7 +59,7 @@ def test_a_launch_never_deletes_the_users_files(write_script, tmp_path):
 
 
 def test_two_scripts_with_one_name_get_two_run_folders(tmp_path):
-    from ddp_helpers.config import default_run_dir
+    from ddp_helpers.run_folder import default_run_dir
 
     assert default_run_dir(tmp_path / "a" / "train.py") != default_run_dir(tmp_path / "b" / "train.py")
 
@@ -224,8 +224,8 @@ MEASURING_LAUNCHER = textwrap.dedent(
     """
     import json, resource, sys, time
     from ddp_helpers import launch, make_launch_config
-    from ddp_helpers.config import Hardware
-    from ddp_helpers.launcher import prepare_warm_launches
+    from ddp_helpers.default_job import Hardware
+    from ddp_helpers.default_job import prepare_warm_launches
     assert prepare_warm_launches(), "the warm process did not start"
     config = make_launch_config(sys.argv[1], nproc=2, backend="gloo", hardware=Hardware(()),
                                 timeout_s=float(sys.argv[3]), run_dir=sys.argv[2])

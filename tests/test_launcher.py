@@ -10,7 +10,8 @@ import uuid
 import pytest
 import torch
 
-from ddp_helpers.config import LaunchError, make_launch_config
+from ddp_helpers.errors import LaunchError
+from ddp_helpers.launch_options import make_launch_config
 from ddp_helpers.engines.local.engine import HANG_REPORT_WAIT_S, STACK_DUMP_WAIT_S, STOP_BOUND_S
 from ddp_helpers.run_folder import RUN_ID_ENV
 from support import (LOOPBACK_HEX, OWN_SOCKETS_SOURCE, failure_report, hold_port, printed_by_the_script, processes_left,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddp_helpers import run_script
-from ddp_helpers.config import detect_hardware
+from ddp_helpers.default_job import detect_hardware
 from ddp_helpers.course.lessons.lesson4 import check_resume_exercise
 from support import exercise_cells, failure_report, run_on_cpu
 

@@ -230,7 +230,7 @@ def test_a_run_stopped_by_its_timeout_while_training_is_not_called_a_hang():
     the checker then says to raise it, not that the run hangs."""
     from pathlib import Path
 
-    from ddp_helpers.config import LaunchConfig
+    from ddp_helpers.engines import LaunchConfig
     from ddp_helpers.hang import HangReport, RankState
     from ddp_helpers.result import RankResult, RunResult
 

@@ -6,7 +6,7 @@ import re
 import pytest
 from IPython.core.error import UsageError
 
-from ddp_helpers.config import detect_hardware
+from ddp_helpers.default_job import detect_hardware
 from ddp_helpers.result import RunFailed
 from support import printed_by_the_script
 

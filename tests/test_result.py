@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from ddp_helpers.config import LaunchConfig
+from ddp_helpers.engines import LaunchConfig
 from ddp_helpers.result import RankError, RankResult, RunFailed, RunResult
 
 def make_run(ranks, timed_out=False, returncode=1, stream=False):

@@ -81,7 +81,8 @@ def test_only_run_folder_spells_the_run_folders_file_names_in_code_and_docstring
 
 def test_only_the_slurm_engine_knows_slurm():
     knowing = [name for name, module in modules().items()
-               if "slurm" in code_text(module.tree).lower() and name != "engines.slurm" and not name.startswith("course.lessons")]
+               if "slurm" in code_text(module.tree).lower() and name not in ("engines.slurm", "slurm_commands")
+               and not name.startswith("course.lessons")]
     assert knowing == []
 
 
@@ -96,9 +97,14 @@ def imports(name: str, module: Module, known: set[str], *, annotations: bool = F
     def walk(node: ast.AST) -> None:
         if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING" and not annotations:
             return
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = package[: len(package) - (node.level - 1)]
-            stem = ".".join([*base, *(node.module.split(".") if node.module else [])])
+        if isinstance(node, ast.Import):  # `import ddp_helpers.course.checks`: absolute, as relative ones count
+            found.update(alias.name.removeprefix("ddp_helpers").lstrip(".") for alias in node.names
+                         if alias.name.split(".")[0] == "ddp_helpers")
+        absolute = isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "ddp_helpers"
+        if isinstance(node, ast.ImportFrom) and (node.level or absolute):
+            base = [] if absolute else package[: len(package) - (node.level - 1)]
+            module = node.module.removeprefix("ddp_helpers").lstrip(".") if absolute else node.module
+            stem = ".".join([*base, *(module.split(".") if module else [])])
             for alias in node.names:  # `from . import warm`: the module warm; `from .. import Ending`: the package
                 candidate = f"{stem}.{alias.name}".lstrip(".")
                 found.add(candidate if candidate in known else stem)
@@ -160,19 +166,23 @@ def test_record_in_a_rank_loads_no_launcher_code():
 
 
 def test_engines_sit_behind_the_seam():
-    """Nothing outside the engines knows an engine but the default job's place (config, and the launcher's
-    re-exports of the local engine's stop bound and warm start); no engine imports another; the kernel's side
-    of warm launches does not load the zygote server; the supervisor's side loads nothing of the kernel's
-    output streaming."""
+    """Nothing outside the engines imports an engine's module but the default job's place (`default_job`): the
+    engines' base (`engines`) is the seam. No engine imports another; the kernel's side of warm launches does not
+    load the zygote server; the supervisor's side loads nothing of the kernel's output streaming."""
     graph = import_graph(annotations=True, in_functions=True)
     outside = {name: {imported for imported in found if imported.startswith("engines.")}
-               for name, found in graph.items() if not name.startswith("engines")}
-    assert {name: found for name, found in outside.items() if found} == {
-        "config": {"engines.local"}, "launcher": {"engines.local.engine"}, "": {"engines.local.engine"}}
+               for name, found in graph.items() if not name.startswith("engines") and name != "default_job"}
+    assert {name: found for name, found in outside.items() if found} == {}
     assert not any(imported.startswith("engines.local") for imported in graph["engines.slurm"])
     assert "engines.local.zygote" not in graph["engines.local.warm"]
     for name in ("engines.local.agents", "engines.local.supervisor"):
         assert "output" not in graph[name]
+
+
+def test_the_import_graph_sees_absolute_imports_too():
+    tree = ast.parse("import ddp_helpers.course.checks\nfrom ddp_helpers.engines import local\nfrom ddp_helpers import default_job\n")
+    known = {"course.checks", "engines", "engines.local", "default_job", ""}
+    assert imports("magic", Module(Path("magic.py"), tree), known) == {"course.checks", "engines.local", "default_job"}
 
 
 def test_no_function_is_longer_than_60_lines_without_a_reason():

@@ -8,10 +8,10 @@ import textwrap
 import pytest
 
 from ddp_helpers.engines.local import warm
-from ddp_helpers.config import default_run_dir
+from ddp_helpers.run_folder import default_run_dir
 from ddp_helpers.run_folder import RunFolder
 from ddp_helpers.engines.local.zygote import SUPERVISOR_STOP_S
-from ddp_helpers.launcher import prepare_warm_launches
+from ddp_helpers.default_job import prepare_warm_launches
 from support import DAEMON_SOURCE, failure_report, run_on_cpu
 
 PROBE = textwrap.dedent(
@@ -209,8 +209,8 @@ PACKAGE_INSTALLED_LATER = textwrap.dedent(
     from pathlib import Path
     from ddp_helpers import launch, make_launch_config
     from ddp_helpers.engines.local import warm
-    from ddp_helpers.config import Hardware
-    from ddp_helpers.launcher import prepare_warm_launches
+    from ddp_helpers.default_job import Hardware
+    from ddp_helpers.default_job import prepare_warm_launches
 
     script, pth, package_folder = sys.argv[1:]
     run = lambda: launch(make_launch_config(script, nproc=2, backend="gloo", hardware=Hardware(()), stream=False))
@@ -502,7 +502,7 @@ def test_preparing_warm_launches_replaces_a_warm_process_that_died():
     """What the tests' warm_launches fixture relies on: after an earlier test killed the warm process,
     preparing starts a new one instead of reporting it not ready."""
     from ddp_helpers.engines.local import warm
-    from ddp_helpers.launcher import prepare_warm_launches
+    from ddp_helpers.default_job import prepare_warm_launches
 
     assert prepare_warm_launches()
     dead = warm._ZYGOTE.process
@@ -569,8 +569,8 @@ import os, sys
 from pathlib import Path
 from ddp_helpers import run_script
 from ddp_helpers.engines.local import warm
-from ddp_helpers.launcher import prepare_warm_launches
-from ddp_helpers.config import Hardware
+from ddp_helpers.default_job import prepare_warm_launches
+from ddp_helpers.default_job import Hardware
 
 script = Path(sys.argv[1])
 assert prepare_warm_launches(), "the warm process did not start"

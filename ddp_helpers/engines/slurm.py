@@ -1,7 +1,7 @@
 """Running a launch as a job on a Slurm cluster: `%%torchrun --slurm --nodes 2`, or
 `launch(make_launch_config(script, job=SlurmJob(nodes=2)))`. `SlurmJob` is the `engines.Job` (it declares
 and validates its own options), `SlurmEngine` the engine the launcher's loop drives. Everything that knows
-Slurm is in this module.
+Slurm is in this module and the commands it runs (`slurm_commands`).
 
 What happens:
 - a plain sbatch script is written next to the cell's script (`<name>.sbatch`): one torchrun agent per
@@ -20,7 +20,7 @@ What happens:
 - on timeout, every rank that started is asked for its stack and what it waits in through a file on the
   shared run folder (`_hang_probe`), so the hang report is the same as a local run's;
 - the stop button, the timeout, an error here, and the kernel's death all `scancel` the job: a small
-  guard process (`python -m ddp_helpers.engines.slurm GUARD KERNEL_PID JOB_ID`) outlives a killed kernel to do it.
+  guard process (`slurm_commands.start_guard`) outlives a killed kernel to do it.
   Slurm then ends every process of the job on every node.
 
 Differences from a local run: no warm launch; output is not capped; the ranks' environment is the
@@ -29,21 +29,19 @@ submitter's as sbatch passes it on (less its distributed settings), plus the ran
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import _hang_probe, hang
 from ..errors import LaunchError
 from ..guarded_torchrun import SIGNED_ONLY, new_key_line
-from ..python_command import python_module_command, python_module_shell
+from ..python_command import python_module_shell
+from ..slurm_commands import cancel, cluster_reachable, job_state, start_guard, submit  # noqa: F401 - as lesson 4 names it
 from ..run_folder import AGENT_ENV, NODE_ENV, RunFolder, open_private
 from . import (DEFAULT_CPU_NPROC, RESERVED_ENV, Ending, Engine, Job, LaunchConfig, LaunchRequest, OutputPump, RankEnding,
                option_text, parse_nproc, rank_command, register_job)
@@ -55,10 +53,8 @@ POLL_INTERVAL_S = 0.5
 NEVER_STARTS = ("PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints",
                 "ReqNodeNotAvail", "InvalidAccount", "InvalidQOS", "QOSMaxNodePerJobLimit",
                 "AssocMaxNodesPerJobLimit", "AssocMaxWallDurationPerJobLimit", "QOSMaxWallDurationPerJobLimit")
-CANCEL_WAIT_S = 30
 # A job cancelled before it ever ran: its final state starts with this, then " (Slurm's reason)".
 NEVER_LEFT_THE_QUEUE = "PENDING, never started"
-_QUERY_TIMEOUT_S = 20  # squeue against a controller that is down hangs about 10 s
 
 
 @register_job
@@ -200,60 +196,6 @@ def _double_quoted(value: str) -> str:
     return re.sub(r'([\\"$`])', r"\\\1", value)
 
 
-def cluster_reachable(timeout_s: float = 5) -> bool:
-    """Whether a Slurm controller answers from here (`sinfo`), within `timeout_s`."""
-    try:
-        done = subprocess.run(["sinfo", "-h", "-o", "%D"], capture_output=True, text=True, timeout=timeout_s)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return done.returncode == 0 and bool(done.stdout.strip())
-
-
-def _slurm(command: list[str]) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=_QUERY_TIMEOUT_S)
-    except FileNotFoundError:
-        raise LaunchError(f"{command[0]} was not found: Slurm's client commands are not installed here (or not on "
-                          "PATH). Run the notebook on the cluster's login node, or drop --slurm.") from None
-    except subprocess.TimeoutExpired:
-        raise LaunchError(f"{command[0]} got no answer in {_QUERY_TIMEOUT_S} s: is the Slurm controller up?") from None
-
-
-def submit(path: Path) -> str:
-    """sbatch the script; its job id, or LaunchError with Slurm's own message."""
-    done = _slurm(["sbatch", "--parsable", str(path)])
-    if done.returncode != 0:
-        message = done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}"
-        if not cluster_reachable():
-            message += ("\nNo Slurm controller answers from this machine (sinfo): it is not a login node of a "
-                        "cluster. Run the notebook on the cluster's login node, or drop --slurm to run here.")
-        raise LaunchError(f"Slurm did not accept the job:\n{message}")
-    return done.stdout.strip().split(";")[0]
-
-
-def job_state(job_id: str) -> tuple[str, str]:
-    """(state, reason or node list) while the job is known to Slurm; ("", "") once it is gone."""
-    done = _slurm(["squeue", "-h", "-j", job_id, "-o", "%T|%r|%N"])
-    fields = done.stdout.strip().split("|") if done.returncode == 0 and done.stdout.strip() else []
-    if len(fields) == 3:
-        state, reason, nodes = fields
-        return state, (nodes if state == "RUNNING" else reason)
-    shown = _slurm(["scontrol", "show", "job", job_id])
-    for word in shown.stdout.split():
-        if word.startswith("JobState="):
-            state = word.split("=", 1)[1]
-            return ("", state) if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") else (state, "")
-    return "", ""
-
-
-def cancel(job_id: str, wait_s: float = CANCEL_WAIT_S) -> None:
-    """scancel the job and wait until Slurm no longer lists it as running."""
-    subprocess.run(["scancel", job_id], capture_output=True, timeout=_QUERY_TIMEOUT_S)
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and job_state(job_id)[0]:
-        time.sleep(0.2)
-
-
 class SlurmEngine(Engine):
     """Submits the job, says how it waits, cancels it unless it ended (see the module docstring)."""
 
@@ -272,8 +214,7 @@ class SlurmEngine(Engine):
         with open_private(path, "w") as script:
             script.write(job_script(self.config, run_id))
         self.job_id = submit(path)
-        self._guard = subprocess.Popen(python_module_command(__name__, "GUARD", str(os.getpid()), self.job_id),
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        self._guard = start_guard(self.job_id)
 
     def running(self) -> bool:
         state, detail = job_state(self.job_id)
@@ -318,23 +259,3 @@ class SlurmEngine(Engine):
             launcher_log=self.folder.read_text(self.folder.job_log(self.job_id)) if self.job_id else "",
             job_id=self.job_id,
         )
-
-
-def _guard(kernel_pid: int, job_id: str) -> int:
-    """Cancels the job if the kernel dies before the job ends; the launcher kills this process otherwise."""
-    from ..processes import ARM_PARENT_DEATH_FAILED, arm_parent_death_signal
-
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    if arm_parent_death_signal(signal.SIGTERM, kernel_pid) == ARM_PARENT_DEATH_FAILED:
-        stop.append(True)
-    while not stop:
-        time.sleep(0.5)
-    cancel(job_id)
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "GUARD":
-        sys.exit(_guard(int(sys.argv[2]), sys.argv[3]))
-    sys.exit("usage: python -m ddp_helpers.engines.slurm GUARD KERNEL_PID JOB_ID")

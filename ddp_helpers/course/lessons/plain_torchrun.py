@@ -38,7 +38,7 @@ def torchrun_in_background(arguments: list[str], marker: str | None = None,
     """Start `torchrun ARGUMENTS`, as in a second terminal (with `extra_env` exported), and yield its
     process (output on `.stdout`, text). When the block ends, the agent and every process it started
     are killed. Agents of one job share `job_key` (hex; default: a new one), which signs their rendezvous."""
-    from ...config import inherited_environment
+    from ...engines import inherited_environment
     from ...processes import arm_parent_death_signal
 
     marker = marker or uuid.uuid4().hex

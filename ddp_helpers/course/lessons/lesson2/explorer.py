@@ -17,7 +17,8 @@ import io
 
 import matplotlib.pyplot as plt
 
-from ....config import LaunchError, make_launch_config
+from ....errors import LaunchError
+from ....launch_options import make_launch_config
 from ....launcher import launch
 from ...widgets import display_with_fallback
 from .plots import plot_partitions

@@ -47,7 +47,7 @@ def run_at_worlds(run: RunResult, worlds=(1, 2, 4)) -> dict[int, RunResult]:
     `run` itself stands for its own world size; each runs in `run`'s working directory. GPUs when there is one for each rank, else CPU processes:
     the bytes each rank holds do not depend on the device."""
     from .... import run_script
-    from ....config import detect_hardware
+    from ....default_job import detect_hardware
 
     gpus = detect_hardware().gpu_count
     results = {len(run.ranks): run}

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ....guarded_torchrun import new_key_line
 from ....python_command import python_module_shell
+from ....errors import LaunchError
 from ..slurm_jobs import cancelled_if_this_process_dies, has_ended, job_field, job_folder, slurm, submit, wait_until
 
 STEPS = 30
@@ -143,7 +144,7 @@ def run_preempted(after_line: str = "step 5 done", timeout_s: float = 300) -> tu
                 return log.read_text(), final_snapshot(folder)
         finally:
             if not finished:
-                with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
+                with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError, LaunchError):
                     slurm(["scancel", job_id])
 
 

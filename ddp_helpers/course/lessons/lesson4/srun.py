@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from ....python_command import python_module_shell
+from ....errors import LaunchError
 from ..slurm_jobs import cancelled_if_this_process_dies, has_ended, job_field, job_folder, slurm, submit, wait_until
 
 TASK_SCRIPT = '''\
@@ -74,7 +75,7 @@ def run_as_srun_tasks(nodes: int = 2, tasks_per_node: int = 2, timeout_s: float 
                 ended = True
         finally:
             if not ended:
-                with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
+                with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError, LaunchError):
                     slurm(["scancel", job_id])
         outputs = {int(path.stem.removeprefix("task")): path.read_text() for path in folder.glob("task*.out")}
         job_log = (folder / "job.out").read_text() if (folder / "job.out").exists() else ""

@@ -1,4 +1,4 @@
-"""What one launch is: `make_launch_config` checks what every launch shares, and hands the rest to the
+"""The options of one launch: `make_launch_config` checks what every launch shares, and hands the rest to the
 job that runs it (the local one unless another is named), which fills in its defaults; bad input becomes
 one clear error before anything starts.
 
@@ -21,13 +21,9 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from .engines import (  # noqa: F401 - LaunchConfig and the shared checks, as users and lessons name them
-    BACKENDS, DEFAULT_CPU_NPROC, RESERVED_ENV, RESERVED_ENV_PREFIXES, Job, LaunchConfig, LaunchRequest,
-    inherited_environment, max_cpu_ranks, parse_nproc,
-)
-from .engines.local import Hardware, LocalJob, detect_hardware  # noqa: F401 - the default job, and this machine
+from .engines import BACKENDS, RESERVED_ENV, RESERVED_ENV_PREFIXES, Job, LaunchConfig, LaunchRequest
+from .default_job import Hardware, LocalJob
 from .errors import LaunchError
-from .run_folder import default_run_dir, runs_root  # noqa: F401
 
 # Below nbmake's 300 s per-cell limit, so that the launcher's own cleanup runs before nbmake kills the kernel.
 DEFAULT_TIMEOUT_S = 120.0

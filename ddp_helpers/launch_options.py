@@ -79,7 +79,6 @@ def make_launch_config(
     max_restarts: int = 0,
     import_dir: str | os.PathLike | None = None,
     job: Job | None = None,
-    cluster: Job | None = None,
     cold: bool = False,
     nnodes: int | str = 1,
     kill_rank: int | str | None = None,
@@ -110,8 +109,7 @@ def make_launch_config(
             can then fail to connect; the launcher sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to avoid it.
         import_dir: a folder the ranks import from after the script's own (`%%torchrun` passes the
             notebook's folder).
-        job: where and how it runs, a `engines.Job` such as `SlurmJob(nodes=2)` (`cluster` is its older
-            name); the job checks its own options, and the GPUs of this machine then do not matter. By
+        job: where and how it runs, a `engines.Job` such as `SlurmJob(nodes=2)`; the job checks its own options, and the GPUs of this machine then do not matter. By
             default, a run on this machine (`engines.local.LocalJob`) with the options below.
         cold, nnodes, kill_rank, kill_after, join_after, hardware: a run on this machine's options (see
             `LocalJob`): fresh interpreters only; agents on loopback standing for machines; SIGKILL rank
@@ -126,11 +124,8 @@ def make_launch_config(
     Example:
         >>> config = make_launch_config("train.py", nproc=2, backend="gloo")
     """
-    if job is not None and cluster is not None:
-        raise LaunchError("job and cluster name the same thing (cluster is job's older name): give one.")
     here = LocalJob(nnodes=nnodes, kill_rank=kill_rank, kill_after=kill_after, join_after=join_after, warm=not cold,
                     hardware=hardware)
-    job = job if job is not None else cluster
     if job is None:
         job = here
     elif not isinstance(job, Job):

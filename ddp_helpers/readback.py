@@ -12,6 +12,8 @@ else comes from what the ranks wrote into the run folder, the same for every eng
 from __future__ import annotations
 
 import json
+import traceback
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -81,13 +83,13 @@ def collect_result(config: LaunchConfig, folder: RunFolder, ending: Ending, *, w
         hang = read_hang_report(folder, world_size, config.script.name, ended,
                                 {rank: error for rank, error in printed.items() if error},
                                 in_cell=is_cell_script(config.script))
-    return RunResult(
+    result = RunResult(
         config=config,
         ranks=tuple(ranks),
         wall_time_s=wall_time_s,
         backend=config.backend,
         devices=devices,
-        returncode=0 if ending.succeeded else 1,
+        job_succeeded=ending.succeeded,
         timed_out=timed_out,
         launcher_log=ending.launcher_log,
         job_state=ending.reason,
@@ -97,13 +99,30 @@ def collect_result(config: LaunchConfig, folder: RunFolder, ending: Ending, *, w
         run_id=folder.run_id or "",
         hang=hang,
     )
+    for reader in _READERS:
+        try:
+            reader(result, folder)
+        except Exception:  # noqa: BLE001 - a client's records are never a reason to lose the run
+            traceback.print_exc()
+    return result
+
+
+# Clients' readers of their own records, run on every launch this process reads back (`read_also`).
+_READERS: list[Callable[[RunResult, RunFolder], None]] = []
+
+
+def read_also(reader: Callable[[RunResult, RunFolder], None]) -> None:
+    """Run `reader(result, folder)` as every later launch of this process is read back, while its run folder holds
+    that launch's files (a later launch into the same folder replaces them): a client reads the records its rank
+    hook kept (the course's: `course.records`). Once, however often asked."""
+    if reader not in _READERS:
+        _READERS.append(reader)
 
 
 def _rank_result(folder: RunFolder, rank: int, identity: RankIdentity, exit_code: int | None,
                  died_at: float | None) -> RankResult:
     error = folder.read_error(rank)
     facts, unreadable = read_facts(folder, rank)
-    evidence = folder.read_evidence(rank)
     return RankResult(
         rank=rank,
         exit_code=exit_code,
@@ -113,14 +132,6 @@ def _rank_result(folder: RunFolder, rank: int, identity: RankIdentity, exit_code
         error=RankError(error.type, error.message, error.traceback, error.time) if error else None,
         ended_at=error.time if error else died_at,
         unreadable_facts=unreadable,
-        files_written=evidence.files_written,
-        point_to_point=evidence.point_to_point,
-        all_reduced=tuple(call for call in evidence.all_reduced if "collective" not in call),
-        handed_to_collectives=tuple({"collective": "all_reduce", **call} if "collective" not in call else call
-                                    for call in evidence.all_reduced),
-        collectives=evidence.collectives,
-        channel_bytes=evidence.channel_bytes,
-        crossings=evidence.crossings,
         agent=identity.agent,
         group_rank=identity.group_rank,
         local_rank=identity.local_rank,

@@ -52,29 +52,6 @@ class RankResult:
         ended_at: when it failed (its exception's time, or when it was seen to die), if it failed.
         unreadable_facts: {name: why} for recorded values that could not be read back.
         root_cause: this rank failed first; the others were stopped because of it.
-        files_written: absolute paths of the files the rank's script opened for writing or renamed into
-            place (seen by the launcher, not reported by the script); empty if the rank did not end normally.
-        point_to_point: the `send`/`recv`/`isend`/`irecv` calls its script made, in order, as the launcher
-            saw them: {"op", "peer", "shape", "dtype", "values" (small tensors only)}; empty if the rank
-            did not end normally.
-        all_reduced: its script's own `all_reduce` calls, in order (the first 1000), as the launcher saw
-            them: {"shape", "dtype", "op", "values" (what it put in; tensors of at most 64 elements)};
-            DDP's all-reduces, made in C++, are not among them. Empty if the rank did not end normally.
-        handed_to_collectives: what its script put into each collective that moves its data (all_reduce,
-            all_gather, reduce, gather, broadcast, reduce_scatter, their object forms), as the launcher saw it:
-            {"collective", "values" (small tensors, numbers, short lists of numbers), ...}; the evidence exercise
-            checkers ask for. Empty if the rank did not end normally.
-        collectives: the collectives its script called, in order, as torch's flight recorder held them at
-            the end (its last 2000): {"number" (in its group), "op", "shapes", "dtypes", "group", "started_ns"
-            (when it was called: the recorder's time_created_ns, time.time_ns()'s clock)}; empty if
-            the rank did not end normally.
-        channel_bytes: what its script moved where the flight recorder does not look, counted at torch's
-            classes: {"sent_bytes", "received_bytes"} of point-to-point calls (however reached), and
-            {"store_calls", "store_bytes"} of key-value store calls (keys and values); empty if the rank
-            did not end normally.
-        crossings: what its script did to other ranks' files in the run folder (their secrets, outputs,
-            facts), or to its own secret, as the launcher saw it: "opened", "changed", "linked to"... and the
-            file's name there (`RunFolder.note_crossing`); exercise checkers name it. Kept however the rank ended.
         agent: which of the run's torchrun agents started it (0 .. nnodes - 1; None if it never started).
         group_rank, local_rank: its agent's place in the rendezvous (GROUP_RANK), and its LOCAL_RANK there.
         restart: the restart count (TORCHELASTIC_RESTART_COUNT) of its latest attempt: 0 if never restarted.
@@ -91,13 +68,6 @@ class RankResult:
     ended_at: float | None = None
     unreadable_facts: dict = field(default_factory=dict)
     root_cause: bool = False
-    files_written: tuple[str, ...] = ()
-    point_to_point: tuple[dict, ...] = ()
-    all_reduced: tuple[dict, ...] = ()
-    handed_to_collectives: tuple[dict, ...] = ()
-    collectives: tuple[dict, ...] = ()
-    channel_bytes: dict = field(default_factory=dict)
-    crossings: tuple[str, ...] = ()
     agent: int | None = None
     group_rank: int | None = None
     local_rank: int | None = None
@@ -190,8 +160,7 @@ class RunResult:
         wall_time_s: seconds from launch to the end of cleanup.
         backend: "gloo" or "nccl".
         devices: the device each rank was given ("cpu", or "cuda:k" with k its LOCAL_RANK: its machine's GPU k).
-        returncode: 0 when the engine saw the whole run end well (torchrun's agents, a job's final state),
-            else 1.
+        job_succeeded: whether the engine saw the whole run end well (torchrun's agents, a job's final state).
         timed_out: the launcher stopped the run after config.timeout_s.
         launcher_log: torchrun's own output (its error summary, warnings); for a cluster's job, its output file.
         job_state, job_id: for a cluster's job, its final state as the scheduler says it (COMPLETED, FAILED,
@@ -208,7 +177,7 @@ class RunResult:
     wall_time_s: float
     backend: str
     devices: tuple[str, ...]
-    returncode: int | None
+    job_succeeded: bool
     timed_out: bool = False
     launcher_log: str = ""
     run_id: str = ""
@@ -224,7 +193,7 @@ class RunResult:
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out and all(r.exit_code == 0 for r in self.ranks)
+        return self.job_succeeded and not self.timed_out and all(r.exit_code == 0 for r in self.ranks)
 
     @property
     def restarts(self) -> int:

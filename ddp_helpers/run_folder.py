@@ -6,17 +6,12 @@
         .forked                      "pid start-time" of every child a rank's Python forked (the sweep's list)
         rank0.stdout, rank0.stderr   what rank 0 printed, capped (the first and last OUTPUT_KEEP_BYTES
                                      of each stream, with a line saying how much was dropped)
-        rank0.pid                    who rank 0's latest attempt is (`RankIdentity`: pid, agent, group and
+        rank0.identity.json          who rank 0's latest attempt is (`RankIdentity`: pid, agent, group and
                                      local rank, restart, attempt, world size, node)
         rank0.error.json             the exception that ended rank 0, with its time, if any (`RankErrorRecord`)
         rank0.exit.json              how rank 0's script ended (its exit code), for launches without an agent to ask
-        rank0.writes.json            the files rank 0's script wrote, seen by the bootstrap (`RankEvidence`)
-        rank0.crossings              other ranks' files here its script opened or changed, or its own secret
-                                     changed, one line each as it happened (`note_crossing`)
-        rank0.p2p.json               its send/recv calls; rank0.collectives.json: its collectives (flight recorder)
-        rank0.all_reduced.json       what its script handed to all_reduce and the collectives that move its data
-        rank0.secret                 a number only rank 0's process is handed (DDP_HELPERS_RANK_SECRET), drawn at
-                                     its first attempt: an exercise's data comes from it, and its checker reads it
+        rank0.<kind>                 a client's records of rank 0, kept by its rank hook (`rank_record`; the
+                                     course's: `ddp_helpers/course/records.py`)
         rank0.stack                  every thread's stack, written when a timed-out run asks (SIGUSR1)
         rank0.hang.request           a named pipe: the launcher opens it when a run times out, and rank 0
                                      answers with rank0.hang.json, what it waits in (`_hang_probe`);
@@ -38,15 +33,14 @@ No other module spells these names: each file has its methods here.
   names the rank whose file a path is.
 - Written by the ranks (light: no torch import): `from_environment()`, `write_identity(RankIdentity)`,
   `write_error(RankErrorRecord)`, `clear_error(rank)`, `write_exit(rank, code)`,
-  `write_evidence(rank, files_written=, point_to_point=, all_reduced=, collectives=, channel_bytes=)`,
-  `note_crossing(rank, name, how)`, `write_hang_answer(rank, answer)`, `write_peek_answer(rank, answer)`,
-  `belongs_to_this_launch()`, `rank_secret(rank)` (drawn once, then read).
+  `write_hang_answer(rank, answer)`, `write_peek_answer(rank, answer)`, `belongs_to_this_launch()`; a client's
+  own records: `rank_record(rank, kind)` for a kind `register_rank_records` registered, `write_json`,
+  `append_line`.
 - Written by the supervisor: `write_outcome(outcome, agent=None)`.
 - Read by the launcher: `claim(path)`, `start_launch(run_id)`, `release()`, `read_identity(rank)`,
   `rank_pid(rank)`, `rank_pids(world_size)`, `read_error(rank)`, `read_exit_code(rank)`,
-  `read_evidence(rank)`, `read_hang_answer(rank)`, `take_peek_answers(world_size)`, `read_outcome(agent=None)`,
-  `read_text(path)`,
-  `read_secret(rank)` (for checkers).
+  `read_hang_answer(rank)`, `take_peek_answers(world_size)`, `read_outcome(agent=None)`, `read_text(path)`,
+  `read_own_json(path)`.
 
 Safety rules:
 - Only a folder that carries the marker is ever emptied; an existing folder without it is refused
@@ -70,7 +64,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -89,13 +82,34 @@ AGENT_ENV = "DDP_HELPERS_AGENT"
 NODE_ENV = "DDP_HELPERS_NODE"
 # "1": every rank of the run is on this machine, and the stores it opens must listen on loopback only.
 LOOPBACK_ENV = "DDP_HELPERS_LOOPBACK_ONLY"
-# One rank's files: rankN.<kind> here and in pipes/, flight_recorder/rankN, facts/rankN/ (`rank_file_owner`).
-_RANK_KINDS = ("stdout", "stderr", "pid", "error.json", "exit.json", "writes.json", "p2p.json", "all_reduced.json",
-               "collectives.json", "channel_bytes.json", "secret", "stack", "hang.request", "hang.json", "peek.json", "crossings")
-_RANK_FILE = re.compile(r"rank(\d+)(?:\.(" + "|".join(map(re.escape, _RANK_KINDS)) + "))?")
+# One rank's files: rankN.<kind> here and in pipes/, flight_recorder/rankN, facts/rankN/ (`rank_file_owner`); a
+# client's rank hook adds the kinds of its own records (`register_rank_records`).
+_RANK_KINDS = ["stdout", "stderr", "identity.json", "error.json", "exit.json", "stack", "hang.request", "hang.json",
+               "peek.json"]
+
+
+def _rank_file_pattern() -> re.Pattern:
+    return re.compile(r"rank(\d+)(?:\.(" + "|".join(map(re.escape, _RANK_KINDS)) + "))?")
+
+
+_RANK_FILE = _rank_file_pattern()
+
+
+def register_rank_records(*kinds: str) -> None:
+    """Files `rankN.<kind>` that a client's rank hook keeps in the run folder (`RunFolder.rank_record`): each
+    rank's own, like the launcher's, for `rank_file_owner` and `is_bookkeeping`. Call it as the hook's module loads,
+    in the ranks and where they are read back."""
+    global _RANK_FILE
+    for kind in kinds:
+        if not re.fullmatch(r"[a-z][a-z0-9_]*(\.[a-z]+)?", kind):
+            raise ValueError(f"{kind!r} is not a rank record's kind: lower-case letters, digits and '_', one optional suffix")
+        if kind not in _RANK_KINDS:
+            _RANK_KINDS.append(kind)
+    _RANK_FILE = _rank_file_pattern()
 _TEMPORARY = re.compile(r"\.(.+)\.\w+\.tmp")  # write_atomically's, for the file it will replace
 _AGENT_OUTCOME = re.compile(r"agent\d+\.outcome\.json")
-# The number only this rank's process is handed (`RunFolder.rank_secret`), in its environment.
+# A number only this rank's process is handed, in its environment, by a client's rank hook (the course's: its
+# exercises' data; `ddp_helpers.rank_secret` reads it).
 SECRET_ENV = "DDP_HELPERS_RANK_SECRET"
 # Starts the line a restarted rank prints first on stdout: where its new attempt begins.
 ATTEMPT_MARK = "[ddp_helpers] ---"
@@ -201,22 +215,6 @@ class RankErrorRecord:
     traceback: str
 
 
-@dataclass(frozen=True)
-class RankEvidence:
-    """What the bootstrap saw a rank's script do, written as it ended: `rankN.writes.json` (files it
-    wrote), `rankN.p2p.json` (send/recv calls), `rankN.all_reduced.json` (what its script handed to
-    all_reduce), `rankN.collectives.json` (from the flight recorder) and `rankN.channel_bytes.json` (what its
-    store and point-to-point calls moved); `crossings` (`rankN.crossings`, as they happened): "changed
-    rank1.secret", "opened rank0.stdout"... into other ranks' files here, or its own secret changed."""
-
-    files_written: tuple[str, ...] = ()
-    point_to_point: tuple[dict, ...] = ()
-    all_reduced: tuple[dict, ...] = ()
-    collectives: tuple[dict, ...] = ()
-    channel_bytes: dict = field(default_factory=dict)
-    crossings: tuple[str, ...] = ()
-
-
 def _from_json(cls, value: dict | None):
     """A dataclass from the JSON object a launch wrote, or None (missing, or not of this shape)."""
     if value is None:
@@ -254,7 +252,7 @@ def open_private(path: str | os.PathLike, mode: str = "w"):
     return open(os.open(path, _OPEN_FLAGS[mode[0]] | os.O_CLOEXEC, 0o600), mode)
 
 
-def _append_line(path: Path, line: str) -> None:
+def append_line(path: Path, line: str) -> None:
     """Append `line` to a private file in one write (appends from several processes, a rank and its forks, never
     interleave), at once: a process that then ends with os._exit keeps it. Silent if the file cannot be opened."""
     try:
@@ -316,7 +314,7 @@ class RunFolder:
 
     def identity_file(self, rank: int) -> Path:
         """Written by the rank's bootstrap as its attempt starts (`write_identity`)."""
-        return self._rank_file(rank, "pid")
+        return self._rank_file(rank, "identity.json")
 
     def exit_file(self, rank: int) -> Path:
         """Written by the rank's bootstrap last, as it ends (`write_exit`)."""
@@ -400,14 +398,11 @@ class RunFolder:
         """Write a JSON object stamped with this launch's id (the reader ignores other launches' files)."""
         write_atomically(path, json.dumps({**value, "run_id": self.run_id}).encode())
 
-    def rank_secret(self, rank: int) -> int:
-        """The rank's secret for this launch: drawn at its first attempt, the same after a restart."""
-        kept = self.read_secret(rank)
-        if kept is not None:
-            return kept
-        drawn = secrets.randbits(62)
-        write_atomically(self._rank_file(rank, "secret"), str(drawn).encode())
-        return drawn
+    def rank_record(self, rank: int, kind: str) -> Path:
+        """A client's record of one rank, `rankN.<kind>` (a kind `register_rank_records` registered)."""
+        if kind not in _RANK_KINDS:
+            raise ValueError(f"rank record {kind!r} is not registered: register_rank_records({kind!r}) first")
+        return self._rank_file(rank, kind)
 
     def rank_file_owner(self, path) -> tuple[int, str] | None:
         """(rank, its name in this folder) when `path` is one rank's file here (its secret, output, records,
@@ -433,36 +428,13 @@ class RunFolder:
             return int(second.group(1)), os.path.join(*parts)
         return None
 
-    @staticmethod
-    def is_secret(name: str) -> bool:
-        """Whether `name` (as `rank_file_owner` gives it) is a rank's secret."""
-        match = _RANK_FILE.fullmatch(name)
-        return match is not None and match.group(2) == "secret"
-
     def _real_path(self) -> str:
         if getattr(self, "_real", None) is None:
             self._real = os.path.realpath(self.path)
         return self._real
 
-    def note_crossing(self, rank: int, name: str, how: str) -> None:
-        """Rank `rank`'s script `how` ("opened", "changed", "linked to"...) the file `name` of this folder:
-        one line appended at once (a rank that then ends with os._exit, or a forked child, keeps it)."""
-        _append_line(self._rank_file(rank, "crossings"), json.dumps({"run_id": self.run_id, "what": f"{how} {name}"}))
-
-    def read_crossings(self, rank: int) -> tuple[str, ...]:
-        """What `note_crossing` noted for `rank` in this launch, in order, each once."""
-        seen = []
-        for line in self.read_text(self._rank_file(rank, "crossings")).splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(entry, dict) and entry.get("run_id") == self.run_id and entry.get("what") not in seen:
-                seen.append(str(entry.get("what")))
-        return tuple(seen)
-
     def write_identity(self, identity: RankIdentity) -> None:
-        self.write_json(self._rank_file(identity.rank, "pid"), asdict(identity))
+        self.write_json(self._rank_file(identity.rank, "identity.json"), asdict(identity))
 
     def write_error(self, error: RankErrorRecord) -> None:
         self.write_json(self._rank_file(error.rank, "error.json"), asdict(error))
@@ -474,18 +446,10 @@ class RunFolder:
     def write_exit(self, rank: int, exit_code: int) -> None:
         self.write_json(self._rank_file(rank, "exit.json"), {"rank": rank, "exit_code": exit_code})
 
-    def write_evidence(self, rank: int, *, files_written, point_to_point, all_reduced, collectives,
-                       channel_bytes: dict) -> None:
-        self.write_json(self._rank_file(rank, "writes.json"), {"rank": rank, "files": sorted(files_written)})
-        self.write_json(self._rank_file(rank, "p2p.json"), {"rank": rank, "calls": list(point_to_point)})
-        self.write_json(self._rank_file(rank, "all_reduced.json"), {"rank": rank, "calls": list(all_reduced)})
-        self.write_json(self._rank_file(rank, "collectives.json"), {"rank": rank, "calls": list(collectives)})
-        self.write_json(self._rank_file(rank, "channel_bytes.json"), {"rank": rank, "totals": dict(channel_bytes)})
-
     def record_forked_child(self, pid: int, started: int | None) -> None:
         """Called in each child a rank's Python forks, as it starts: the final sweep finds it here whatever it
         then does (a new session, another name; a warm rank's /proc environ carries no marker)."""
-        _append_line(self.forked_children, f"{pid} {started}")
+        append_line(self.forked_children, f"{pid} {started}")
 
     def read_forked_children(self) -> list[tuple[int, int]]:
         pairs = []
@@ -650,11 +614,7 @@ class RunFolder:
 
     def read_identity(self, rank: int) -> RankIdentity | None:
         """What the rank's latest attempt wrote about itself, or None if it never started."""
-        return _from_json(RankIdentity, self.read_own_json(self._rank_file(rank, "pid")))
-
-    def read_secret(self, rank: int) -> int | None:
-        text = self.read_text(self._rank_file(rank, "secret")).strip()
-        return int(text) if text.isdigit() else None
+        return _from_json(RankIdentity, self.read_own_json(self._rank_file(rank, "identity.json")))
 
     def rank_pid(self, rank: int) -> int | None:
         identity = self.read_identity(rank)
@@ -670,17 +630,6 @@ class RunFolder:
     def read_exit_code(self, rank: int) -> int | None:
         """The exit code the rank wrote as it ended; None if it did not end normally."""
         return (self.read_own_json(self._rank_file(rank, "exit.json")) or {}).get("exit_code")
-
-    def read_evidence(self, rank: int) -> RankEvidence:
-        def calls(kind: str, key: str = "calls") -> tuple:
-            return tuple((self.read_own_json(self._rank_file(rank, kind)) or {}).get(key, ()))
-
-        return RankEvidence(files_written=calls("writes.json", "files"), crossings=self.read_crossings(rank),
-                            point_to_point=calls("p2p.json"),
-                            all_reduced=calls("all_reduced.json"),
-                            collectives=calls("collectives.json"),
-                            channel_bytes=dict((self.read_own_json(self._rank_file(rank, "channel_bytes.json")) or {})
-                                               .get("totals", {})))
 
     def read_hang_answer(self, rank: int) -> dict | None:
         return self.read_own_json(self._rank_file(rank, "hang.json"))

@@ -365,6 +365,7 @@ def test_a_folder_is_ours_only_by_our_marker(tmp_path):
 
 OTHER_RANKS_FILES_READER = """
 import os, shutil, sys
+from ddp_helpers.course import records
 from ddp_helpers.course.evidence_hook import WriteObserver
 from ddp_helpers.run_folder import RunFolder
 
@@ -401,7 +402,7 @@ here, directory = os.getcwd(), os.open(folder.path, os.O_RDONLY)
 os.chdir(os.path.dirname(here))
 os.close(os.open("rank13.secret", os.O_RDONLY, dir_fd=directory))  # relative to a folder's descriptor
 os.chdir(here)
-print(list(folder.read_crossings(0)))
+print(list(records.read_crossings(folder, 0)))
 print(sorted(os.path.basename(p) for p in observer.paths))
 """
 
@@ -410,7 +411,7 @@ def test_a_rank_going_into_other_ranks_files_is_seen_by_any_route_python_takes(t
     """The run folder holds every rank's secret, output and facts (the launcher's bookkeeping): a rank's script
     that opens another's (directly, by a descriptor, through a linked folder or "..", relative to a folder
     descriptor), links or renames it, removes it, plants a file in its place, or changes its own secret, is
-    noted for the checkers at once (`RunFolder.note_crossing`); reading its own files, and the script's own
+    noted for the checkers at once (`records.note_crossing`); reading its own files, and the script's own
     files, are not. A file the script writes is seen as written whatever its name."""
     script = tmp_path / "reader.py"
     script.write_text(OTHER_RANKS_FILES_READER)

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from ddp_helpers.course.lessons.lesson0 import check_mean_exercise, number_of
-from ddp_helpers.run_folder import RunFolder
+from ddp_helpers.course.records import records
 from support import exercise_cells, failure_report, run_on_cpu
 
 GIVEN_MEAN = "mean = number  # every rank should end with the mean of all the ranks' numbers\n"
@@ -40,8 +40,7 @@ def test_each_run_draws_new_numbers_that_the_checker_reads_back(write_script, so
     secrets = []
     for _ in range(2):
         run, _ = judged(write_script, sources[0])
-        folder = RunFolder(run.run_dir)
-        secrets.append([folder.read_secret(r.rank) for r in run.ranks])
+        secrets.append([seen.secret for seen in records(run)])
         printed = [r.stdout.split("my number ")[1].split(",")[0] for r in run.ranks]
         assert printed == [f"{number_of(secret):g}" for secret in secrets[-1]], printed
     assert len({*secrets[0], *secrets[1]}) == 4, secrets  # 62 random bits each: drawn per rank and per run
@@ -101,13 +100,15 @@ WRONG_FIXES = {
     # read by a rank that then leaves without the bootstrap's end (os._exit), or one that plants its own.
     "the others' secrets read from the run folder": (
         "from ddp_helpers.course.lessons.lesson0 import number_of\nfrom ddp_helpers.run_folder import RunFolder\n"
+        "from ddp_helpers.course.records import read_secret\n"
         "folder = RunFolder.from_environment()\ndist.barrier()  # every rank has drawn its secret\n"
-        "mean = torch.tensor([sum(number_of(folder.read_secret(r)) for r in range(world_size)) / world_size])\n",
+        "mean = torch.tensor([sum(number_of(read_secret(folder, r)) for r in range(world_size)) / world_size])\n",
         "rank 0 opened rank1.secret"),
     "the others' secrets read, and the rank leaving by os._exit": (
         "from ddp_helpers.course.lessons.lesson0 import number_of\nfrom ddp_helpers.run_folder import RunFolder\n"
+        "from ddp_helpers.course.records import read_secret\n"
         "folder = RunFolder.from_environment()\ndist.barrier()  # every rank has drawn its secret\n"
-        "mean = torch.tensor([sum(number_of(folder.read_secret(r)) for r in range(world_size)) / world_size])\n"
+        "mean = torch.tensor([sum(number_of(read_secret(folder, r)) for r in range(world_size)) / world_size])\n"
         "import atexit, os, sys\natexit.register(lambda: (sys.stdout.flush(), os._exit(0)))\n",
         "rank 0 opened rank1.secret"),
     "every rank's secret replaced by one number": (

@@ -108,7 +108,7 @@ def test_shortcuts_the_recorded_facts_cannot_hide_are_caught(write_script, sourc
     run = run_on_cpu(write_script("exercise", wrong_fix(sources[1], *replacements)), nproc=nproc, stream=False)
     assert run.ok, failure_report(run)
     report = check_training_exercise(run)
-    expected = ("run the exercise on 2 or more ranks" if case == "one rank"
+    expected = ("run it on 2 ranks or more" if case == "one rank"
                 else "the checkpoint's weights are not those the exercise's model, data and optimizer reach")
     assert len(report.mistakes) == 1 and expected in report.mistakes[0], str(report)
 

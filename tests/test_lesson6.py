@@ -52,6 +52,7 @@ def test_the_benchmark_measures_all_reduce_on_this_machine(tmp_path):
 
 from ddp_helpers.course.lessons.lesson6.exercise import all_reduce_bytes, check_compression_exercise, exercise_reference, parameter_bytes  # noqa: E402
 from support import exercise_cells, failure_report, run_on_cpu  # noqa: E402
+from ddp_helpers.course.records import records
 
 WRAP = "ddp = DDP(model, device_ids=[local_rank] if device.type == \"cuda\" else None)\n"
 
@@ -82,7 +83,7 @@ def test_the_given_script_trains_but_sends_every_byte(write_script, given):
 def test_the_solution_passes_with_exactly_half_the_bytes(write_script, given):
     run, report = judged(write_script, with_hook(given[0], given[1]))
     assert run.ok and report.passed, f"{report}\n{failure_report(run)}"
-    sent = [size for size in all_reduce_bytes(run.ranks[0].collectives) if size > 64]
+    sent = [size for size in all_reduce_bytes(records(run)[0].collectives) if size > 64]
     assert sent and set(sent) == {parameter_bytes() // 2}, sent
 
 
@@ -177,7 +178,7 @@ def test_point_to_point_bytes_count_however_the_process_group_is_reached(write_s
     run, report = judged(write_script, with_hook(given[0], THROUGH_PROCESS_GROUP_SENDS))
     assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
     assert "150% of plain DDP's" in str(report), str(report)
-    assert all(r.channel_bytes["sent_bytes"] >= 30 * parameter_bytes() for r in run.ranks), [r.channel_bytes for r in run.ranks]
+    assert all(r.channel_bytes["sent_bytes"] >= 30 * parameter_bytes() for r in records(run)), [r.channel_bytes for r in records(run)]
 
 
 def test_a_flooded_flight_recorder_is_named_not_trusted(write_script, given):

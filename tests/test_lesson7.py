@@ -229,8 +229,8 @@ ZERO_BUCKETS_FOR_SHOW = '''class MyDDP(torch.nn.Module):
         world = dist.get_world_size()
         if not hasattr(self, "secrets"):  # read by another program: the launcher sees only this process's opens
             self.secrets = [int(subprocess.run(
-                [sys.executable, "-c", f"from ddp_helpers.run_folder import RunFolder as F; "
-                                       f"print(F.from_environment().read_secret({rank}))"],
+                [sys.executable, "-c", f"from ddp_helpers.run_folder import RunFolder as F; from ddp_helpers.course.records "
+                                       f"import read_secret; print(read_secret(F.from_environment(), {rank}))"],
                 capture_output=True, text=True, check=True).stdout) for rank in range(world)]
         parameters = list(self.module.parameters())
         total = [torch.zeros_like(p) for p in parameters]

@@ -6,6 +6,7 @@ import pytest
 from ddp_helpers import rank_hooks
 from ddp_helpers.course import EVIDENCE_HOOK
 from support import failure_report, run_on_cpu
+from ddp_helpers.course.records import RankRecords, records
 
 WHAT_RUNS = """
 import os, sys
@@ -32,7 +33,7 @@ def test_a_plain_launch_runs_no_course_code_in_its_ranks(write_script, monkeypat
     for rank in run.ranks:
         assert not [m for m in rank.facts["loaded"] if m.startswith(COURSE_MODULES)], rank.facts["loaded"]
         assert not rank.facts["save_wrapped"] and not rank.facts["has_secret"]
-        assert rank.files_written == () and rank.handed_to_collectives == () and rank.collectives == ()
+    assert all(seen == RankRecords(seen.rank) for seen in records(run)), records(run)
 
 
 def test_a_course_launch_keeps_the_records_its_checkers_judge(write_script):
@@ -40,10 +41,10 @@ def test_a_course_launch_keeps_the_records_its_checkers_judge(write_script):
     assert EVIDENCE_HOOK in rank_hooks.in_use()  # conftest, as a lesson's first cell
     run = run_on_cpu(write_script("course", WHAT_RUNS), stream=False)
     assert run.ok, failure_report(run)
-    for rank in run.ranks:
+    for rank, seen in zip(run.ranks, records(run)):
         assert EVIDENCE_HOOK in rank.facts["loaded"] and rank.facts["save_wrapped"] and rank.facts["has_secret"]
-        assert any(path.endswith("saved.pt") for path in rank.files_written), rank.files_written
-        assert [c["op"] for c in rank.collectives] == ["all_reduce"]
+        assert any(path.endswith("saved.pt") for path in seen.files_written), seen.files_written
+        assert [c["op"] for c in seen.collectives] == ["all_reduce"]
 
 
 def test_an_exercise_run_without_the_courses_records_is_told_how_to_get_them(write_script, monkeypatch):

@@ -5,9 +5,9 @@ from pathlib import Path
 from ddp_helpers.engines import LaunchConfig
 from ddp_helpers.result import RankError, RankResult, RunFailed, RunResult
 
-def make_run(ranks, timed_out=False, returncode=1, stream=False):
+def make_run(ranks, timed_out=False, job_succeeded=False, stream=False):
     config = LaunchConfig(Path("/tmp/x.py"), len(ranks), "gloo", 60.0, Path("/tmp/x"), stream=stream)
-    return RunResult(config, tuple(ranks), 1.0, "gloo", ("cpu",) * len(ranks), returncode, timed_out)
+    return RunResult(config, tuple(ranks), 1.0, "gloo", ("cpu",) * len(ranks), job_succeeded, timed_out)
 
 
 def test_the_first_failure_is_the_earliest_exception_not_the_lowest_rank():
@@ -27,15 +27,15 @@ def test_the_first_failure_is_the_earliest_exception_not_the_lowest_rank():
 def test_a_timed_out_run_says_so_and_how_to_read_it():
     stack = "[ddp_helpers] where rank {rank} was when the run timed out:\n  File ..."
     run = make_run([RankResult(rank, None, "", stack.format(rank=rank)) for rank in (0, 1)], timed_out=True,
-                   returncode=None)
+                   job_succeeded=False)
     assert run.first_failure is None
     assert "timed out after 60 s" in str(RunFailed(run))
     assert "Where each rank still running was is shown above" in run.summary()
     # No stack to point to: the summary does not say one is shown.
     never_started = make_run([RankResult(rank, None, "", "", agent=None) for rank in (0, 1)], timed_out=True,
-                             returncode=None)
+                             job_succeeded=False)
     assert "No rank had started its script yet" in never_started.summary()
-    no_stack = make_run([RankResult(rank, None, "", "", agent=0) for rank in (0, 1)], timed_out=True, returncode=None)
+    no_stack = make_run([RankResult(rank, None, "", "", agent=0) for rank in (0, 1)], timed_out=True, job_succeeded=False)
     assert "No rank's stack could be taken" in no_stack.summary() and "shown above" not in no_stack.summary()
 
 
@@ -58,7 +58,7 @@ def test_a_rank_killed_by_a_signal_is_the_root_cause_of_the_peer_that_noticed_it
 def test_a_job_that_never_left_the_queue_says_so_in_its_engines_words():
     from dataclasses import replace
 
-    run = replace(make_run([RankResult(0, None, "", ""), RankResult(1, None, "", "")], timed_out=True, returncode=1),
+    run = replace(make_run([RankResult(0, None, "", ""), RankResult(1, None, "", "")], timed_out=True, job_succeeded=False),
                   job_id="42", never_started="Slurm job 42 was still waiting in the queue (Resources)")
     summary = run.summary()
     assert "while Slurm job 42 was still waiting in the queue (Resources): it never started" in summary

@@ -12,9 +12,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ddp_helpers"
 # The run folder's files, as run_folder.py names them.
-RUN_FOLDER_NAMES = ("outcome.json", "torchrun.log", ".pid", ".stack", "error.json", "exit.json", "writes.json",
-                    "p2p.json", "collectives.json", "hang.json", "hang.request", "supervisor.json", "kill_request",
-                    ".forked", ".secret", "job-%j", "slurm-")
+RUN_FOLDER_NAMES = ("outcome.json", "torchrun.log", "identity.json", ".stack", "error.json", "exit.json", "hang.json",
+                    "hang.request", "supervisor.json", "kill_request", ".forked", "job-%j", "slurm-")
+# The course's records of each rank in the run folder, as course/records.py names them.
+COURSE_RECORD_NAMES = ("writes.json", "p2p.json", "collectives.json", "all_reduced.json", "channel_bytes.json")
 # Folders of the run folder: common words, so a string spells one only when it is the name itself (torch's
 # module torch.distributed.flight_recorder is not the folder).
 RUN_FOLDER_DIRS = ("flight_recorder", "pipes", "facts")
@@ -64,19 +65,31 @@ def code_text(tree: ast.Module) -> str:
 
 
 # A run-folder file as prose names it: `rankN.hang.json`, `outcome.json`, `flight_recorder/rankN`, `job-%j.out`.
-FILE_IN_PROSE = re.compile(r"\brank(N|K|0|1)\.[a-z]|\b(outcome|torchrun|supervisor|exit|error|writes|p2p|collectives|"
-                           r"all_reduced|channel_bytes|hang)\.(json|log|request)\b|agentK?\.outcome|kill_request\.json|"
+FILE_IN_PROSE = re.compile(r"\brank(N|K|0|1)\.(?!(writes|p2p|collectives|all_reduced|channel_bytes)\.json|secret|crossings)[a-z]|\b(outcome|torchrun|supervisor|exit|error|identity|"
+                           r"hang)\.(json|log|request)\b|agentK?\.outcome|kill_request\.json|"
                            r"(?<!distributed/)\b(flight_recorder|pipes|facts)/|\b(job|slurm)-(%j|<job id>)")
+COURSE_RECORD_IN_PROSE = re.compile(r"\b(writes|p2p|collectives|all_reduced|channel_bytes)\.json\b|rankN\.(secret|crossings)")
+
+
+def spelled_outside(owner: str, names: tuple[str, ...], prose: re.Pattern, dirs: tuple[str, ...] = ()) -> dict:
+    """{module: what it spells} of the modules besides `owner` that spell one of `names` in code, or `prose` in text."""
+    found = {}
+    for name, module in modules().items():
+        if name == owner:
+            continue
+        in_code = [s for s in strings_in_code(module.tree) if any(file in s for file in names) or s.strip("/") in dirs]
+        in_text = [line.strip() for line in module.path.read_text().splitlines() if prose.search(line)]
+        if in_code or in_text:
+            found[name] = in_code + in_text
+    return found
 
 
 def test_only_run_folder_spells_the_run_folders_file_names_in_code_and_docstrings():
-    in_code = {name: [s for s in strings_in_code(module.tree)
-                      if any(file in s for file in RUN_FOLDER_NAMES) or s.strip("/") in RUN_FOLDER_DIRS]
-               for name, module in modules().items() if name != "run_folder"}
-    in_prose = {name: [line.strip() for line in module.path.read_text().splitlines() if FILE_IN_PROSE.search(line)]
-                for name, module in modules().items() if name != "run_folder"}
-    assert {name: found for name, found in in_code.items() if found} == {}
-    assert {name: found for name, found in in_prose.items() if found} == {}
+    assert spelled_outside("run_folder", RUN_FOLDER_NAMES, FILE_IN_PROSE, RUN_FOLDER_DIRS) == {}
+
+
+def test_only_the_courses_records_module_spells_its_records_names():
+    assert spelled_outside("course.records", COURSE_RECORD_NAMES, COURSE_RECORD_IN_PROSE) == {}
 
 
 def test_only_the_slurm_engine_knows_slurm():

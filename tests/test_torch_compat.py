@@ -8,6 +8,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_helpers import torch_compat
+from ddp_helpers.course.records import records
 
 
 @pytest.mark.parametrize("version, says", [
@@ -84,5 +85,5 @@ def test_the_flight_recorder_records_a_ranks_collectives_whatever_the_torch(writ
                                       "dist.destroy_process_group()\n")
     run = run_on_cpu(script, stream=False)
     assert run.ok
-    assert [[c["op"] for c in r.collectives] for r in run.ranks] == [["all_reduce", "all_reduce"]] * 2, \
-        [r.collectives for r in run.ranks]
+    assert [[c["op"] for c in r.collectives] for r in records(run)] == [["all_reduce", "all_reduce"]] * 2, \
+        [r.collectives for r in records(run)]

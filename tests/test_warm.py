@@ -13,6 +13,7 @@ from ddp_helpers.run_folder import RunFolder
 from ddp_helpers.engines.local.zygote import SUPERVISOR_STOP_S
 from ddp_helpers.default_job import prepare_warm_launches
 from support import DAEMON_SOURCE, failure_report, run_on_cpu
+from ddp_helpers.course.records import records
 
 PROBE = textwrap.dedent(
     """
@@ -77,7 +78,7 @@ def test_a_warm_rank_is_the_same_process_as_a_cold_one(probe, zygote_pid):
     assert all(p["parent"] == zygote_pid for p in hot), "the second launch should have been warm"
     # What each rank's script handed to all_reduce, seen alike: a small tensor's values, a large one's shape.
     for run in (cold_run, hot_run):
-        assert [r.all_reduced for r in run.ranks] == [
+        assert [r.all_reduced for r in records(run)] == [
             ({"shape": [1], "dtype": "float32", "op": "SUM", "values": [rank + 1.0]},
              {"shape": [100], "dtype": "float32", "op": "MAX"}) for rank in (0, 1)]
     assert all(p["parent"] != zygote_pid for p in cold)

@@ -13,8 +13,13 @@ EVIDENCE_HOOK = "ddp_helpers.course.evidence_hook"
 
 
 def keep_records() -> None:
-    """Every launch of this process from now on keeps the course's records of each rank."""
+    """Every launch of this process from now on keeps the course's records of each rank, read back as it ends
+    (`records.records(run)`)."""
+    from ..readback import read_also  # the kernel's side only: a rank imports this package, and stays light
+    from .records import read_run
+
     rank_hooks.use(EVIDENCE_HOOK)
+    read_also(read_run)
 
 
 def load_ipython_extension(ipython) -> None:

@@ -6,7 +6,7 @@ a launch the course makes (`%load_ext ddp_helpers.course` turns it on for the no
   what the script says about itself;
 - what the script hands to collectives (`_all_reduce_log`), the bytes its store and point-to-point calls move
   (`_channel_bytes`), its point-to-point calls (`_point_to_point`, which the hang report reads too), and every
-  collective the flight recorder holds, written with the rest when the script ends (`RunFolder.write_evidence`);
+  collective the flight recorder holds, written with the rest when the script ends (`records.write`);
 - the rank's secret (`ddp_helpers.rank_secret`, which an exercise's data comes from), handed to this process only.
 """
 
@@ -17,7 +17,7 @@ import os
 import sys
 
 from .. import _hang_probe, _point_to_point
-from . import _all_reduce_log, _channel_bytes
+from . import _all_reduce_log, _channel_bytes, records
 from ..rank_hooks import PatchOnImport
 from ..run_folder import SECRET_ENV, RunFolder
 
@@ -30,7 +30,7 @@ def start(folder: RunFolder, rank: int) -> None:
     global _observer
     # Only this process is handed it: an exercise's data comes from it (ddp_helpers.rank_secret), so that no
     # rank can compute another's without asking it, through a collective.
-    os.environ[SECRET_ENV] = str(folder.rank_secret(rank))
+    os.environ[SECRET_ENV] = str(records.draw_secret(folder, rank))
     _observer = WriteObserver(folder, rank)
     sys.addaudithook(_observer)
     PatchOnImport.install({"torch.serialization": _wrap_torch_save, "torch.distributed.distributed_c10d": _observe_collectives})
@@ -38,7 +38,7 @@ def start(folder: RunFolder, rank: int) -> None:
 
 def finish(folder: RunFolder, rank: int) -> None:
     if _observer is not None:
-        folder.write_evidence(rank, files_written=_observer.paths, point_to_point=_point_to_point.summary(),
+        records.write(folder, rank, files_written=_observer.paths, point_to_point=_point_to_point.summary(),
                               all_reduced=_all_reduce_log.summary(), collectives=_collectives_called(rank),
                               channel_bytes=_channel_bytes.summary())
 
@@ -61,7 +61,7 @@ class WriteObserver:
     leaving out the run folder's own bookkeeping (`RunFolder.is_bookkeeping`); and each crossing into other
     ranks' files in the run folder (their secrets, outputs, facts: opened, linked to, renamed, removed) or a
     change to its own secret: a side channel no real job has, which checkers name. Crossings are appended to
-    the rank's `crossings` file as they happen (`RunFolder.note_crossing`), so that neither an `os._exit`, a
+    the rank's `crossings` file as they happen (`records.note_crossing`), so that neither an `os._exit`, a
     forked child's end nor a restart loses them."""
 
     _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
@@ -114,11 +114,11 @@ class WriteObserver:
             return
         if owner is None or how == "opened" and owner[0] == self.rank:
             return
-        if owner[0] == self.rank and not self.folder.is_secret(owner[1]):
+        if owner[0] == self.rank and not records.is_secret(owner[1]):
             return  # its own output, records, facts: the launcher's writing, or harmless
         self._noting = True
         try:
-            self.folder.note_crossing(self.rank, owner[1], how)
+            records.note_crossing(self.folder, self.rank, owner[1], how)
         finally:
             self._noting = False
 

@@ -10,6 +10,7 @@ import html
 import math
 import os
 from dataclasses import dataclass, field
+from .records import records
 
 
 @dataclass
@@ -45,22 +46,70 @@ class ExerciseReport:
         return f"<div class='ddp-lessons-exercise-report'>{lines}</div>"
 
 
+FAILED = "the run did not finish; fix the error shown above first"
+
+
+def opening(run, report: ExerciseReport, *, ranks_for: str, exactly: int | None = None, at_least: int = 2,
+            facts: tuple[str, ...] = (), files: bool = True, channels: bool = True) -> list[int] | None:
+    """What every exercise checker asks of a run before judging what the exercise is about, in this order: the run
+    ended well; it ran on the ranks the exercise needs (`exactly`, or `at_least`; `ranks_for`: why, for the hint);
+    every rank recorded the `facts` the checker reads; every rank's secret can be read and no rank went into other
+    ranks' files (`rank_secrets`); nothing passed around the collectives (`side_channels`, with `files`: files the
+    ranks wrote count, unless writing files is the exercise; `channels=False`: judged later, by the checker).
+    Returns the ranks' secrets, or None with the first mistake added to `report`: the checker judges no further."""
+    if not run.ok:
+        report.mistakes.append(FAILED)
+        return None
+    world = len(run.ranks)
+    if exactly is not None and world != exactly:
+        report.mistakes.append(f"run it on {exactly} ranks (-n {exactly}), not {world}: {ranks_for}")
+        return None
+    if exactly is None and world < at_least:
+        report.mistakes.append(f"run it on {at_least} ranks or more (it ran on {world}): {ranks_for}")
+        return None
+    missing = [name for name in facts if any(name not in r.facts for r in run.ranks)]
+    if missing:
+        lines = " and ".join(f"record({name!r}, ...)" for name in missing)
+        report.mistakes.append(f"keep the {lines} line{'s' if len(missing) > 1 else ''}: the checker reads "
+                               f"{'them' if len(missing) > 1 else 'it'} on every rank")
+        return None
+    secrets = rank_secrets(run, report)
+    if secrets is None:
+        return None
+    around = side_channels(run, files=files) if channels else None
+    if around:
+        report.mistakes.append(around)
+        return None
+    return secrets
+
+
+def recorder_lost(run) -> list[int]:
+    """The ranks whose flight recorder holds no collective, or no longer holds their first ones (it keeps the last
+    TORCH_FR_BUFFER_SIZE, 2000 by default): each group's sequence numbers start at 1, so a first kept entry above 1
+    means lost ones. A checker that counts collectives cannot count from a partial record."""
+    lost = []
+    for seen in records(run):
+        first = {}
+        for entry in seen.collectives:
+            first.setdefault(entry.get("group"), entry.get("number", 1))
+        if not seen.collectives or any(number != 1 for number in first.values()):
+            lost.append(seen.rank)
+    return lost
+
+
 def rank_secrets(run, report: ExerciseReport) -> list[int] | None:
     """Every rank's secret (`ddp_helpers.rank_secret`, which its exercise data comes from) from the run folder;
     None, with the mistake added to `report`, where one cannot be read, or where a rank's script went into
-    other ranks' files there or changed its own secret (`RankResult.crossings`): every exercise checker starts
+    other ranks' files there or changed its own secret (`records.RankRecords.crossings`): every exercise checker starts
     here, so none judges such a run further."""
-    from ..run_folder import RunFolder
-
-    crossed = [f"rank {r.rank} {_listed(r.crossings)}" for r in run.ranks if r.crossings]
+    crossed = [f"rank {seen.rank} {_listed(seen.crossings)}" for seen in records(run) if seen.crossings]
     if crossed:
         report.mistakes.append(
             f"{'; '.join(crossed)} in the run folder. Those files are the launcher's record of the run, not the "
             "ranks' data: a real job has none, each rank's data lives in its own process. How else can a rank "
             "learn what another holds?")
         return None
-    folder = RunFolder(run.run_dir)
-    secrets = [folder.read_secret(r.rank) for r in run.ranks]
+    secrets = [seen.secret for seen in records(run)]
     if run.ranks and all(secret is None for secret in secrets):  # none drawn: the course's rank hook was off
         report.mistakes.append(
             "this run kept none of the records the checker judges a run by: run the notebook's first cell "
@@ -87,15 +136,15 @@ def _listed(crossings) -> str:
 
 def side_channels(run, *, files: bool = True) -> str | None:
     """A mistake naming what the ranks passed around torch's collectives, or None: bytes through a key-value
-    store (`RankResult.channel_bytes`, counted at torch's Store class, whichever store the script held) and,
+    store (`records.RankRecords.channel_bytes`, counted at torch's Store class, whichever store the script held) and,
     with `files`, the files they wrote. A checker judges what collectives moved; it cannot see or count what
     crossed another way, so that does not pass."""
     found = []
     for r in run.ranks:
-        calls, size = r.channel_bytes.get("store_calls", 0), r.channel_bytes.get("store_bytes", 0)
+        calls, size = records(run)[r.rank].channel_bytes.get("store_calls", 0), records(run)[r.rank].channel_bytes.get("store_bytes", 0)
         where = [f"{calls} key-value store call{'s' if calls != 1 else ''}, {size:,} bytes"] if calls else []
-        if files and r.files_written:
-            where.append("wrote " + ", ".join(r.files_written[:3]) + (" ..." if len(r.files_written) > 3 else ""))
+        if files and records(run)[r.rank].files_written:
+            where.append("wrote " + ", ".join(records(run)[r.rank].files_written[:3]) + (" ..." if len(records(run)[r.rank].files_written) > 3 else ""))
         if where:
             found.append(f"rank {r.rank}: {'; '.join(where)}")
     if not found:
@@ -200,7 +249,7 @@ def own_gradients_unseen(run, own_gradients: list) -> dict[int, list[int]]:
     world = len(run.ranks)
     unseen = {}
     for rank in run.ranks:
-        handed = [call["values"] for call in rank.handed_to_collectives
+        handed = [call["values"] for call in records(run)[rank.rank].handed_to_collectives
                   if call.get("collective") in ("all_reduce", "ddp") and "values" in call]
         missing = []
         for step, per_rank in enumerate(own_gradients):

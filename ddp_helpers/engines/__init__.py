@@ -142,11 +142,6 @@ class LaunchConfig:
     def world_size(self) -> int:
         return self.ranks_per_agent * self.nnodes
 
-    @property
-    def cluster(self) -> Job | None:
-        """`job`'s older name, for a job elsewhere than this machine: None for a run here."""
-        return None if self.job is None or type(self.job).is_default else self.job
-
     def __post_init__(self) -> None:
         # Freeze the environment mapping too, so a config can be shared without surprises.
         object.__setattr__(self, "extra_env", types.MappingProxyType(dict(self.extra_env)))
@@ -263,8 +258,7 @@ class Ending:
     Args:
         ranks (tuple[RankEnding, ...]): one per rank the run had (an elastic run's: as many as it grew to).
         succeeded (bool): the engine saw the whole run end well.
-        state (str): "ended", or where it was when it was stopped: "pending" (it never started) or "running".
-        reason (str): the engine's word for the state, shown in the summary (a scheduler's final state
+        reason (str): the engine's word for how it ended, shown in the summary (a scheduler's final state
             or why it waited); "" when there is nothing to add.
         where (str): how the summary says where the run ran, e.g. "on 2 agents" ("" on one agent here).
         never_started (str): if it never started, the sentence's subject: "Slurm job 42 was still waiting in
@@ -275,7 +269,6 @@ class Ending:
 
     ranks: tuple[RankEnding, ...]
     succeeded: bool
-    state: str = "ended"
     reason: str = ""
     where: str = ""
     never_started: str = ""

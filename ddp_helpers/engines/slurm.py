@@ -254,7 +254,7 @@ class SlurmEngine(Engine):
             # How each rank said it ended, as it ended (None: it never said: cancelled, or never started).
             ranks=tuple(RankEnding(self.folder.read_exit_code(rank)) for rank in range(self.config.world_size)),
             succeeded=self._final == "COMPLETED",
-            state="ended" if self._final else "pending" if queued else "running", reason=state,
+            reason=state,
             where=f"on {self.config.nnodes} Slurm node(s), job {self.job_id} {state}", never_started=waited,
             launcher_log=self.folder.read_text(self.folder.job_log(self.job_id)) if self.job_id else "",
             job_id=self.job_id,

@@ -8,14 +8,15 @@ all_gather_object) is a right answer. The checker reads every rank's secret from
 the mean itself; it then runs the learner's cell again at another world size, where a divisor written for
 the first one is wrong. Files written by the ranks, and bytes through the job's key-value store, are named: a
 side channel is not a collective. And a right mean is not enough: each rank's own number must be seen going into
-a collective (`RankResult.handed_to_collectives`), whatever other road the numbers could take.
+a collective (`records.RankRecords.handed_to_collectives`), whatever other road the numbers could take.
 """
 
 from __future__ import annotations
 
-from ...exercises import ExerciseReport, rank_secrets, run_again, side_channels
+from ...exercises import ExerciseReport, rank_secrets, run_again, side_channels, opening
 from ....recording import rank_secret
 from ....result import RunResult
+from ...records import records
 
 # The other world size the cell is run at, after the one the learner chose.
 SECOND_WORLD_TIMEOUT_S = 60.0
@@ -35,13 +36,9 @@ def check_mean_exercise(run: RunResult, *, second_world: bool = True) -> Exercis
     """Name what is wrong with the learner's run of the exercise, or confirm it."""
     report = ExerciseReport(verdict_when_passed="All checks pass: every rank holds the mean of all the ranks' "
                                                 "numbers, at two world sizes.")
-    if not run.ok:
-        report.mistakes.append("the run did not finish; fix the error shown above first")
+    if opening(run, report, ranks_for="one rank has nothing to combine", facts=("mean",), channels=False) is None:
         return report
     world = len(run.ranks)
-    if world < 2:
-        report.mistakes.append(f"run it on 2 ranks or more (it ran on {world}): one rank has nothing to combine")
-        return report
     if not _judge(run, report):
         return report
     if second_world:
@@ -80,7 +77,7 @@ def _judge(run: RunResult, report: ExerciseReport) -> bool:
     if around:
         report.mistakes.append(around)
         return False
-    unseen = [rank for rank, number in enumerate(numbers) if not _went_into_a_collective(run.ranks[rank], number, world)]
+    unseen = [rank for rank, number in enumerate(numbers) if not _went_into_a_collective(records(run)[rank], number, world)]
     if unseen:
         ranks = ", ".join(f"rank {rank}'s number {numbers[rank]:g}" for rank in unseen)
         report.mistakes.append(
@@ -95,7 +92,7 @@ def _judge(run: RunResult, report: ExerciseReport) -> bool:
 
 def _went_into_a_collective(rank, number: float, world: int) -> bool:
     """Positive evidence: the rank put its own number (or its share, number / world) into a collective that moves
-    data (an all-reduce, all-gather, reduce, gather, ... as `RankResult.handed_to_collectives` logs them). Learning
+    data (an all-reduce, all-gather, reduce, gather, ... as `records.RankRecords.handed_to_collectives` logs them). Learning
     the others' numbers by any other road (a socket, shared memory, another process's memory) shows none."""
     return any(_close(value, wanted) for call in rank.handed_to_collectives for value in call.get("values", ())
                for wanted in (number, number / world))

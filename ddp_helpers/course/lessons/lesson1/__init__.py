@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import re
 
-from ...exercises import ExerciseReport, rank_secrets, side_channels
+from ...exercises import ExerciseReport, side_channels, opening
 from ....recording import rank_secret
 from ....result import RunResult
+from ...records import records
 
 ACTIVATION_BYTES = 8 * 32 * 4  # what each stage sends: the activation forward, its gradient back (float32)
 
@@ -124,9 +125,9 @@ def exercise_reference(secrets: list[int]):
 def _messages(run: RunResult, sender: int, receiver: int, shape: list[int]) -> tuple[list[dict], list[dict]]:
     """(what `sender` sent to `receiver`, what `receiver` received from `sender`) of the given shape, as the
     launcher saw the ranks' send/recv calls."""
-    sent = [m for m in run.ranks[sender].point_to_point
+    sent = [m for m in records(run)[sender].point_to_point
             if m["op"].endswith("send") and m["peer"] == receiver and m["shape"] == shape]
-    received = [m for m in run.ranks[receiver].point_to_point
+    received = [m for m in records(run)[receiver].point_to_point
                 if m["op"].endswith("recv") and m["peer"] in (sender, None) and m["shape"] == shape]
     return sent, received
 
@@ -163,14 +164,8 @@ def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
             "in which each rank sends and receives"
         )
         return report
-    if not run.ok:
-        report.mistakes.append("the run failed; fix the error shown above first")
-        return report
-    if len(run.ranks) != 2:
-        report.mistakes.append(f"the pipeline has two stages: run it on 2 ranks (-n 2), not {len(run.ranks)}")
-        return report
-    secrets = rank_secrets(run, report)
-    if secrets is None:
+    secrets = opening(run, report, exactly=2, ranks_for="the pipeline has two stages", channels=False)
+    if secrets is None:  # side channels are judged below, with what crossed
         return report
     if not _judge_nothing_else_crossed(run, report):
         return report
@@ -191,13 +186,13 @@ def _judge_nothing_else_crossed(run: RunResult, report: ExerciseReport) -> bool:
         report.mistakes.append(around)
         return False
     for r in run.ranks:
-        sent = r.channel_bytes.get("sent_bytes", 0)
+        sent = records(run)[r.rank].channel_bytes.get("sent_bytes", 0)
         if sent > ACTIVATION_BYTES:
             what = "the activation" if r.rank == 0 else "the activation's gradient"
             report.mistakes.append(f"rank {r.rank} sent {sent:,} bytes point to point, more than the "
                                    f"{ACTIVATION_BYTES:,} of {what}: {ONLY_THE_ACTIVATION}")
             return False
-    collectives = sorted({c["op"] for r in run.ranks for c in r.collectives if "barrier" not in c["op"]})
+    collectives = sorted({c["op"] for r in run.ranks for c in records(run)[r.rank].collectives if "barrier" not in c["op"]})
     if collectives:
         report.mistakes.append(f"the ranks also ran {', '.join(collectives)}: {ONLY_THE_ACTIVATION}")
         return False
@@ -229,7 +224,7 @@ def _judge_what_crossed(run: RunResult, reference: dict, report: ExerciseReport)
         # The right values, but not computed from what arrived: rank 1 ran stage 0 itself and sent for show.
         report.mistakes.append("rank 1 sent back the right values, but not the gradient of the tensor it received "
                                "from rank 0: stage 1 did not compute from what stage 0 sent")
-    elif not any(m.get("op") == "backward" and m.get("used_received") for m in run.ranks[0].point_to_point):
+    elif not any(m.get("op") == "backward" and m.get("used_received") for m in records(run)[0].point_to_point):
         # Positive evidence for stage 0: its backward ran from the gradient that came back (handed to backward, or
         # in the graph), not from a loss rank 0 computed itself with the labels it learned some other way.
         report.mistakes.append("rank 0 received the gradient from rank 1, but no backward on rank 0 used it: "

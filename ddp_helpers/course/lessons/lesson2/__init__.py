@@ -10,7 +10,7 @@ are held to the checkpoint:
 - every rank all-reduced a gradient's worth of values in every step it recorded (torch's flight recorder):
   rank 0 training alone on every rank's batches, or no process group at all, does not pass;
 - in every epoch the ranks' shares are disjoint and cover the data set (up to DistributedSampler's padding);
-- who wrote the checkpoint is observed by the launcher (`RankResult.files_written`), not reported;
+- who wrote the checkpoint is observed by the launcher (`records.RankRecords.files_written`), not reported;
 - the checkpoint is loaded and must load into a plain, unwrapped model; a torn or unreadable file is named;
 - its weights are those the exercise's own model, data and optimizer reach, computed here, when each step
   averages over the ranks the batches they recorded: a checkpoint of another model (an untrained one), or
@@ -27,9 +27,10 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from ...exercises import ExerciseReport, all_reduced_values, own_gradients_unseen, rank_secrets, side_channels
+from ...exercises import ExerciseReport, all_reduced_values, own_gradients_unseen, opening
 from ....recording import rank_secret
 from ....result import RunResult
+from ...records import records
 
 CHECKPOINT_NAME = "checkpoint.pt"
 DATASET_SIZE = 64  # the exercise's TensorDataset
@@ -68,18 +69,9 @@ def my_augmentation(inputs, indices):
 def check_training_exercise(run: RunResult) -> ExerciseReport:
     """Name each mistake of lesson 2's exercise that the run shows."""
     report = ExerciseReport()
-    if not run.ok:
-        report.mistakes.append("the run did not finish; fix the error shown above first")
-        return report
-    if len(run.ranks) < 2:
-        report.mistakes.append(f"the run had {len(run.ranks)} rank: run the exercise on 2 or more ranks, as given")
-        return report
-    secrets = rank_secrets(run, report)
+    # The files written are judged below: who saved.
+    secrets = opening(run, report, ranks_for="one rank has no other to average its gradients with", files=False)
     if secrets is None:
-        return report
-    around = side_channels(run, files=False)  # the files written are judged below: who saved
-    if around:
-        report.mistakes.append(around)
         return report
     orders = _epoch_orders(run)
     orders_fine = _check_epochs(orders, len(run.ranks), report)
@@ -139,7 +131,7 @@ def _check_gradients_averaged(run: RunResult, orders: dict[int, list[list[int]]]
     steps = sum(math.ceil(max(len(share) for share in orders[epoch]) / BATCH_SIZE) for epoch in orders)
     parameters = sum(p.numel() for p in _exercise_model().parameters())
     # Values, not calls: an all-reduce of one number per step for show is not a gradient's worth.
-    values = {r.rank: all_reduced_values(r.collectives) for r in run.ranks}
+    values = {r.rank: all_reduced_values(records(run)[r.rank].collectives) for r in run.ranks}
     short = {rank: count for rank, count in values.items() if count < steps * parameters}
     if short:
         report.mistakes.append(
@@ -167,7 +159,7 @@ def _share_problem(shares: list[list[int]], world: int) -> str | None:
 
 
 def _check_checkpoint_writers(run: RunResult, report: ExerciseReport) -> Path | None:
-    written = {r.rank: [p for p in r.files_written if Path(p).name == CHECKPOINT_NAME] for r in run.ranks}
+    written = {r.rank: [p for p in records(run)[r.rank].files_written if Path(p).name == CHECKPOINT_NAME] for r in run.ranks}
     writers = [rank for rank, paths in written.items() if paths]
     if not writers:
         report.mistakes.append(f"no rank wrote {CHECKPOINT_NAME}: the trained model is lost when the job ends")

@@ -21,9 +21,10 @@ import re
 import zipfile
 from pathlib import Path
 
-from ...exercises import ExerciseReport, per_share_gradients, rank_secrets, side_channels
+from ...exercises import ExerciseReport, per_share_gradients, opening
 from ....recording import rank_secret
 from ....result import RunResult
+from ...records import records
 
 EXERCISE_STEPS = 5
 EXERCISE_BATCH = 16  # samples per rank per step
@@ -110,7 +111,7 @@ def own_gradients_unseen(run: RunResult, secrets: list[int]) -> str | None:
     own_norms, whole_norms = own_gradient_norms(secrets)
     by_own, by_whole = [], []
     for rank in run.ranks:
-        fingerprints = [call.get("sum_of_squares") for call in rank.handed_to_collectives
+        fingerprints = [call.get("sum_of_squares") for call in records(run)[rank.rank].handed_to_collectives
                         if call.get("collective") in REDUCE_SCATTERS]
         if not fingerprints or None in fingerprints or len(fingerprints) % EXERCISE_STEPS:
             return f"rank {rank.rank}'s reduce-scatters were not seen in each of the {EXERCISE_STEPS} steps"
@@ -163,19 +164,12 @@ def check_checkpoint_exercise(run: RunResult) -> ExerciseReport:
             "collective that another rank never called"
         )
         return report
-    if not run.ok:
-        report.mistakes.append("the run failed; fix the error shown above first")
-        return report
-    secrets = rank_secrets(run, report)
+    secrets = opening(run, report, at_least=1, ranks_for="", files=False)  # the checkpoint's files are the exercise's
     if secrets is None:
-        return report
-    around = side_channels(run, files=False)  # the checkpoint's files are the exercise's
-    if around:
-        report.mistakes.append(around)
         return report
     # What the ranks wrote where the run works (its folder, or --cwd), as the launcher saw it.
     places = {run.run_dir.resolve(), run.config.working_dir.resolve()}
-    written = {r.rank: [Path(p) for p in r.files_written if any(Path(p).is_relative_to(d) for d in places)]
+    written = {r.rank: [Path(p) for p in records(run)[r.rank].files_written if any(Path(p).is_relative_to(d) for d in places)]
                for r in run.ranks}
     folders = sorted({p.parent for paths in written.values() for p in paths if p.name == ".metadata"})
     if not folders:
@@ -208,7 +202,7 @@ def _judge_nothing_gathered_whole(run: RunResult, report: ExerciseReport) -> boo
     from ....flight_recorder import torch_dtype_name
 
     for r in run.ranks:
-        for entry in r.collectives:
+        for entry in records(run)[r.rank].collectives:
             if "gather" not in entry["op"] and "scatter" not in entry["op"]:
                 continue
             shaped = [shape for shape, dtype in zip(entry["shapes"], entry["dtypes"])

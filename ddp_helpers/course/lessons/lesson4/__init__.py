@@ -26,9 +26,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ...exercises import ExerciseReport, rank_secrets, side_channels
+from ...exercises import ExerciseReport, opening, FAILED
 from ....flight_recorder import ALL_REDUCE_OPS
 from ....result import RunResult
+from ...records import records
 
 _STEP_DONE = re.compile(r"^step (\d+) done", flags=re.M)
 SNAPSHOT_NAME = "snapshot.pt"
@@ -44,20 +45,16 @@ def check_resume_exercise(run: RunResult) -> ExerciseReport:
     """Name what keeps the killed-and-restarted run from ending as an uninterrupted one, or confirm it does."""
     report = ExerciseReport(verdict_when_passed="All checks pass: killed and restarted, the training ends bitwise "
                                                 "where an uninterrupted run does.")
-    if run.timed_out or not run.ok:
-        report.mistakes.append("the run did not finish (see above); fix that first")
+    if not run.ok:
+        report.mistakes.append(FAILED)
         return report
     if run.restarts == 0:
         report.mistakes.append("no rank was killed, so nothing was tested: rank 1 is killed once it prints "
                                "'step 5 done' (keep that print line)")
         return report
     mine = _final_snapshot(run)  # read before anything else runs
-    secrets = rank_secrets(run, report)
+    secrets = opening(run, report, at_least=1, ranks_for="", files=False)  # the snapshot's files are the exercise's
     if secrets is None:
-        return report
-    around = side_channels(run, files=False)  # the snapshot's files are the exercise's
-    if around:
-        report.mistakes.append(around)
         return report
     expected, theirs, shapes, all_reduces = _reference(run, secrets)
     _judge_steps(run, expected, report, shapes, all_reduces / max(len(expected), 1))
@@ -75,7 +72,7 @@ def _judge_states_crossed_through_collectives(run: RunResult, snapshot: dict, re
     from ..._all_reduce_log import byte_digests
 
     states = set(byte_digests({key: value for key, value in snapshot.items() if key not in ("model", "optimizer")}))
-    handed = {digest for r in run.ranks for call in r.handed_to_collectives for digest in call.get("digests", ())}
+    handed = {digest for r in run.ranks for call in records(run)[r.rank].handed_to_collectives for digest in call.get("digests", ())}
     unseen = states - handed
     if len(states) >= 2 and len(unseen) > 1:
         report.mistakes.append(
@@ -114,7 +111,7 @@ def _reference(run: RunResult, secrets: list[int]) -> tuple[list[int], dict, set
             shutil.rmtree(scratch, ignore_errors=True)
         if snapshot is None:
             raise RuntimeError(f"the exercise's reference run wrote no {SNAPSHOT_NAME}")
-        gradient_all_reduces = _all_reduces(reference.ranks[0].collectives)
+        gradient_all_reduces = _all_reduces(records(reference)[0].collectives)
         _REFERENCES[key] = (steps_done(reference.ranks[0].stdout), snapshot, set(gradient_all_reduces),
                             len(gradient_all_reduces))
     return _REFERENCES[key]
@@ -132,7 +129,7 @@ def _judge_steps(run: RunResult, expected: list[int], report: ExerciseReport, sh
         report.mistakes.append(f"step(s) {repeated} ran twice: before the kill and again after the restart")
     if lost:
         report.mistakes.append(f"step(s) {lost} never ran")
-    trained = len(_all_reduces(run.ranks[0].collectives, shapes)) / all_reduces_per_step if shapes else None
+    trained = len(_all_reduces(records(run)[0].collectives, shapes)) / all_reduces_per_step if shapes else None
     if not repeated and not lost and done == expected and trained is not None and round(trained) != len(attempts[-1]):
         report.mistakes.append(
             f"after the restart the ranks printed {len(attempts[-1])} steps but trained {round(trained)} (counted from "
@@ -160,7 +157,7 @@ def _final_snapshot(run: RunResult) -> dict | None:
     import torch
 
     path = run.config.working_dir / SNAPSHOT_NAME
-    written = [Path(p) for r in run.ranks for p in r.files_written]
+    written = [Path(p) for r in run.ranks for p in records(run)[r.rank].files_written]
     if not path.is_file() or not any(p.name in (SNAPSHOT_NAME, "snapshot.tmp") for p in written):
         return None
     try:

@@ -27,9 +27,10 @@ import sys
 import time
 from pathlib import Path
 
-from ...exercises import ExerciseReport, all_reduced_values, own_gradients_unseen, rank_secrets, side_channels
+from ...exercises import ExerciseReport, all_reduced_values, own_gradients_unseen, opening
 from ....recording import rank_secret
 from ....result import RunResult
+from ...records import records
 
 STEPS = 20
 BATCH = 3  # per rank and step: small enough that, now and then, all of a rank's batch is dropped
@@ -189,26 +190,11 @@ def check_hang_exercise(run: RunResult) -> ExerciseReport:
                 f"collective another would not call. {cause} If the ranks were still printing 'step N done' lines, "
                 "the machine is only slow: raise --timeout (e.g. --timeout 30) and run it again")
         return report
-    if not run.ok:
-        report.mistakes.append("the run failed; fix the error shown above first")
-        return report
-    try:
-        steps, weights = run.facts("steps"), run.facts("weights")
-    except KeyError:
-        report.mistakes.append("keep the record('steps', ...) and record('weights', ...) lines: the checker reads them")
-        return report
-    world_size = len(run.ranks)
-    if world_size < 2:
-        report.mistakes.append(f"run it on 2 ranks or more (it ran on {world_size}): the hang needs a rank whose "
-                               "batch is all dropped while another's is not")
-        return report
-    secrets = rank_secrets(run, report)
+    secrets = opening(run, report, ranks_for="the hang needs a rank whose batch is all dropped while another's is not",
+                      facts=("steps", "weights"))
     if secrets is None:
         return report
-    around = side_channels(run)
-    if around:
-        report.mistakes.append(around)
-        return report
+    steps, weights = run.facts("steps"), run.facts("weights")
     _judge_the_training(run, report, steps, weights, secrets)
     return report
 
@@ -227,7 +213,7 @@ def _judge_the_training(run: RunResult, report: ExerciseReport, steps: list, wei
               "stay in step; skipping the step on every rank changes the training")
         return
     report.confirmed.append(f"every rank took part in all {STEPS} steps")
-    gradient_values = {rank.rank: all_reduced_values(rank.collectives, ("all_reduce", "allreduce")) for rank in run.ranks}
+    gradient_values = {rank.rank: all_reduced_values(records(run)[rank.rank].collectives, ("all_reduce", "allreduce")) for rank in run.ranks}
     expected = STEPS * PARAMETERS
     short = {rank: values for rank, values in gradient_values.items() if values < expected}
     if short:

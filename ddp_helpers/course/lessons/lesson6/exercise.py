@@ -4,8 +4,8 @@ The script trains a small MLP with DDP for STEPS steps of SGD, each rank on its 
 batch. The learner picks a communication hook. The checker computes the intended training itself, in
 one process, from the exercise's model, data and seeds (`exercise_reference`): one step is the gradient
 of the mean loss over every rank's share, which is what DDP's average computes. It judges the run on:
-- what crossed between the ranks, as torch's flight recorder saw it (`RankResult.collectives`) and the
-  launcher counted the point-to-point bytes at torch's ProcessGroup class (`RankResult.channel_bytes`);
+- what crossed between the ranks, as torch's flight recorder saw it (`records.RankRecords.collectives`) and the
+  launcher counted the point-to-point bytes at torch's ProcessGroup class (`records.RankRecords.channel_bytes`);
   any use of a key-value store is named as a side channel, not counted as half: an all-reduce in every step, and
   on average at most half the bytes per step of plain DDP's float32 all-reduces, and at least a quarter
   (8 bits a value, as torch's quantization hooks send; below it, what torch ships only approximates the
@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import math
 
-from ...exercises import (ExerciseReport, distance, per_share_gradients, rank_secrets, regression_teacher,
-                         side_channels, train_on_every_share)
+from ...exercises import (ExerciseReport, distance, per_share_gradients, regression_teacher, side_channels,
+                          train_on_every_share, opening, recorder_lost)
 from ....flight_recorder import ALL_REDUCE_OPS, torch_dtype_name
 from ....recording import rank_secret
 from ....result import RunResult
+from ...records import records
 
 STEPS = 30
 BATCH = 32  # per rank and step
@@ -128,7 +129,7 @@ def _own_gradients_unseen(run: RunResult, secrets: list[int]) -> dict[int, str]:
     unseen = {}
     for rank in run.ranks:
         by_parameter: dict[int, list[float]] = {}
-        for call in rank.handed_to_collectives:
+        for call in records(run)[rank.rank].handed_to_collectives:
             if call.get("collective") == "ddp" and "sum" in call:
                 by_parameter.setdefault(call["parameter"], []).append(call["sum"])
         if len(by_parameter) != len(expected[0][0]) or any(len(sums) < STEPS for sums in by_parameter.values()):
@@ -184,7 +185,7 @@ def exchanged_bytes(collectives: list[dict]) -> list[int]:
 
 def rank_bytes(rank) -> int:
     """What a rank sent in the run: its collectives' bytes (tiny ones aside), and every point-to-point byte
-    it sent, however its script reached the process group (`RankResult.channel_bytes`)."""
+    it sent, however its script reached the process group (`records.RankRecords.channel_bytes`)."""
     collectives = sum(size for size in exchanged_bytes(rank.collectives) if size > TINY_BYTES)
     return collectives + rank.channel_bytes.get("sent_bytes", 0)
 
@@ -193,34 +194,13 @@ def check_compression_exercise(run: RunResult) -> ExerciseReport:
     """Name what is wrong with the learner's compressed training, or confirm it (see the module docstring)."""
     report = ExerciseReport(verdict_when_passed="All checks pass: every step sent at most half the bytes, and the "
                                                 "training is the uncompressed one, to float16's rounding.")
-    if not run.ok:
-        report.mistakes.append("the run failed; fix the error shown above first")
-        return report
-    if len(run.ranks) < 2:
-        report.mistakes.append("run it on 2 or more ranks: with one there is nothing to send")
-        return report
-    if any("weights" not in r.facts for r in run.ranks):
-        report.mistakes.append("keep the record(\"weights\", ...) line: the checker compares every rank's weights")
-        return report
-    secrets = rank_secrets(run, report)
+    # Side channels are judged with the bytes.
+    secrets = opening(run, report, ranks_for="with one there is nothing to send", facts=("weights",), channels=False)
     if secrets is None:
         return report
     bytes_halved = _judge_bytes(run, report)
     _judge_weights(run, report, secrets, bytes_halved)
     return report
-
-
-def _recorder_dropped(run: RunResult) -> list[int]:
-    """The ranks whose flight recorder no longer holds their first collectives (it keeps the last
-    TORCH_FR_BUFFER_SIZE): each group's sequence numbers start at 1, so a first kept entry above 1 means lost ones."""
-    dropped = []
-    for r in run.ranks:
-        first = {}
-        for entry in r.collectives:
-            first.setdefault(entry.get("group"), entry.get("number", 1))
-        if not r.collectives or any(number != 1 for number in first.values()):
-            dropped.append(r.rank)
-    return dropped
 
 
 def _judge_bytes(run: RunResult, report: ExerciseReport) -> bool:
@@ -229,7 +209,7 @@ def _judge_bytes(run: RunResult, report: ExerciseReport) -> bool:
     if around:
         report.mistakes.append(around)
         return False
-    dropped = _recorder_dropped(run)
+    dropped = recorder_lost(run)
     if dropped:
         report.mistakes.append(
             f"torch's flight recorder no longer holds the first collectives of rank(s) {dropped} (it keeps the last "
@@ -237,12 +217,12 @@ def _judge_bytes(run: RunResult, report: ExerciseReport) -> bool:
             "as half. Leave the recorder and its size alone, and send only what the training needs")
         return False
     full = parameter_bytes()
-    sent = [all_reduce_bytes(r.collectives) for r in run.ranks]
+    sent = [all_reduce_bytes(records(run)[r.rank].collectives) for r in run.ranks]
     # Tiny all-reduces (a loss averaged for the log) are not gradients.
     gradients = [[size for size in sizes if size > TINY_BYTES] for sizes in sent]
     counts = {len(sizes) for sizes in gradients}
     # The bytes: every collective and message, not only the all-reduces counted above.
-    total = max(rank_bytes(r) for r in run.ranks)
+    total = max(rank_bytes(seen) for seen in records(run))
     per_step = total / STEPS
     if min(counts) < STEPS:
         report.mistakes.append(f"the ranks all-reduced {min(counts)} times in {STEPS} steps (seen by the flight recorder): "

@@ -9,7 +9,7 @@ from ....flight_recorder import ALL_REDUCE_OPS
 
 
 def all_reduces(collectives, group: str | None = None, window_ns: tuple[int, int] | None = None) -> list[dict]:
-    """A rank's all-reduces (from `RankResult.collectives`), of one process group ("world" for the default one,
+    """A rank's all-reduces (from `records.RankRecords.collectives`), of one process group ("world" for the default one,
     or a group's `group_desc`) and created within `window_ns` (the flight recorder's clock: time.time_ns())."""
     return [c for c in collectives if c["op"] in ALL_REDUCE_OPS and (group is None or c["group"] == group)
             and (window_ns is None or window_ns[0] <= c["started_ns"] <= window_ns[1])]

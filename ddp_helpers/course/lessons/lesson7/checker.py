@@ -21,12 +21,13 @@ It computes the intended training itself, in one process (`exercise_reference`),
 
 from __future__ import annotations
 
-from ...exercises import ExerciseReport, distance, rank_secrets, run_again, side_channels
+from ...exercises import ExerciseReport, distance, rank_secrets, run_again, side_channels, opening
 from ....flight_recorder import ALL_REDUCE_OPS
 from ....result import RunResult
 from . import values
 from .exercise import (BACKWARD_FACT, BUCKET_CAP_BYTES, STEPS, WEIGHT_TOLERANCE, exercise_reference,
                                local_gradients, plain_model)
+from ...records import records
 
 SECOND_WORLD = 3
 SECOND_WORLD_TIMEOUT_S = 120
@@ -83,11 +84,8 @@ def check_my_ddp_exercise(run: RunResult, *, second_world: bool = True) -> Exerc
     """Name what is wrong with the learner's MyDDP, or confirm it (see the module docstring)."""
     report = ExerciseReport(verdict_when_passed="All checks pass: your MyDDP trains as DDP does, in buckets of the "
                                                 "cap, overlapped with the backward, at two world sizes.")
-    if not run.ok:
-        report.mistakes.append("the run failed; fix the error shown above first")
-        return report
-    if len(run.ranks) < 2:
-        report.mistakes.append("run it on 2 or more ranks: with one there is nothing to average")
+    # Side channels, and the facts both runs (this one and the checker's second) must keep, are judged in _judge.
+    if opening(run, report, ranks_for="with one there is nothing to average", channels=False) is None:
         return report
     if not _judge(run, report) or not second_world:
         return report
@@ -115,7 +113,7 @@ def _judge(run: RunResult, report: ExerciseReport) -> bool:
     secrets = rank_secrets(run, report)
     if secrets is None:
         return False
-    if any(r.facts[BACKWARD_FACT]["reducers_built"] or wrapped_torch_ddp(r.collectives) for r in run.ranks):
+    if any(r.facts[BACKWARD_FACT]["reducers_built"] or wrapped_torch_ddp(records(run)[r.rank].collectives) for r in run.ranks):
         report.mistakes.append("the run used torch's DistributedDataParallel (its Reducer was built, or the flight "
                                "recorder shows its check of the parameters at the wrap): the exercise is to do its "
                                "work in MyDDP yourself")
@@ -124,7 +122,7 @@ def _judge(run: RunResult, report: ExerciseReport) -> bool:
     if around:
         report.mistakes.append(around)
         return False
-    if not any(gradient_all_reduces(r.collectives) for r in run.ranks):
+    if not any(gradient_all_reduces(records(run)[r.rank].collectives) for r in run.ranks):
         report.mistakes.append("no rank all-reduced a gradient: each rank stepped with its own batch's gradient alone, "
                                "and the ranks drifted apart")
         return False
@@ -133,7 +131,7 @@ def _judge(run: RunResult, report: ExerciseReport) -> bool:
         report.mistakes.append(f"the ranks' optimizers stepped {'/'.join(map(str, sorted(stepped)))} times, not "
                                f"{STEPS}: keep the training loop as given")
         return False
-    lost = [r.rank for r in run.ranks if not gradient_all_reduces(r.collectives) or r.collectives[0].get("number", 1) != 1]
+    lost = [r.rank for r in run.ranks if not gradient_all_reduces(records(run)[r.rank].collectives) or records(run)[r.rank].collectives[0].get("number", 1) != 1]
     if lost:
         report.mistakes.append(f"torch's flight recorder holds no all-reduce of rank(s) {lost}, or no longer holds "
                                "their first collectives (it keeps the last 2000, or TORCH_FR_BUFFER_SIZE): was it "
@@ -155,7 +153,7 @@ def _other_collectives(run: RunResult) -> str | None:
     a broadcast of floating-point values (the starting weights), or None."""
     for r in run.ranks:
         started = False
-        for call in r.collectives:
+        for call in records(run)[r.rank].collectives:
             started = started or call["op"] in ALL_REDUCE_OPS
             allowed = (call["op"] in ALL_REDUCE_OPS or "barrier" in call["op"]
                        or (not started and call["op"] == "broadcast" and set(call["dtypes"]) <= set(FLOATING)))
@@ -202,7 +200,7 @@ def _judge_buckets(run: RunResult, report: ExerciseReport) -> str | None:
     accepted = accepted_buckets()
     parameter_sizes = {p.numel() for p in plain_model().parameters()}
     for r in run.ranks:
-        calls = gradient_all_reduces(r.collectives)
+        calls = gradient_all_reduces(records(run)[r.rank].collectives)
         sizes = [values(c) for c in calls]
         for rule, buckets in accepted.items():
             per_step = len(buckets)
@@ -235,13 +233,13 @@ def _judge_contents(run: RunResult, report: ExerciseReport, secrets: list[int], 
     for r in run.ranks:
         # A small tensor's values are logged whole (`_all_reduce_log.MAX_VALUES`), a larger one's sum.
         carried = [call["sum"] if "sum" in call else sum(call["values"]) if "values" in call else None
-                   for call in r.all_reduced]
-        if len(carried) != len(gradient_all_reduces(r.collectives)) or None in carried:
+                   for call in records(run)[r.rank].all_reduced]
+        if len(carried) != len(gradient_all_reduces(records(run)[r.rank].collectives)) or None in carried:
             report.mistakes.append(f"rank {r.rank}: what its all-reduces carried could not be read: the checker reads "
                                    "what each dist.all_reduce call is handed (all_reduce_coalesced, a process "
                                    "group's own allreduce and functional collectives it cannot read), and the "
                                    "flight recorder saw "
-                                   f"{len(gradient_all_reduces(r.collectives))} all-reduces against {len(carried)} such calls")
+                                   f"{len(gradient_all_reduces(records(run)[r.rank].collectives))} all-reduces against {len(carried)} such calls")
             return
         for step in range(STEPS):
             own = gradients[step][r.rank]
@@ -263,7 +261,7 @@ def _judge_overlap(run: RunResult, report: ExerciseReport) -> bool | None:
     running = []
     for r in run.ranks:
         steps = r.facts[BACKWARD_FACT]["steps"]
-        created = [c.get("started_ns") for c in gradient_all_reduces(r.collectives)]
+        created = [c.get("started_ns") for c in gradient_all_reduces(records(run)[r.rank].collectives)]
         if None in created:
             report.mistakes.append("this torch's flight recorder does not time its entries: the overlap cannot be judged")
             return None
@@ -282,7 +280,7 @@ def _judge_overlap(run: RunResult, report: ExerciseReport) -> bool | None:
                 "one ran, and nothing overlapped")
             return False
         running += ran_on
-    per_step = len(gradient_all_reduces(run.ranks[0].collectives)) // STEPS
+    per_step = len(gradient_all_reduces(records(run)[0].collectives)) // STEPS
     share = f"{min(running)}" if min(running) == max(running) else f"{min(running)} to {max(running)}"
     report.confirmed.append(f"in every step, on every rank, {share} of the {per_step} buckets' "
                             "all-reduces started inside the backward and ran while it went on computing gradients")
@@ -302,7 +300,7 @@ def _judge_waits(run: RunResult, report: ExerciseReport) -> None:
     cover several) after the last. An async all-reduce's result is only there once waited for."""
     for r in run.ranks:
         steps = r.facts[BACKWARD_FACT]["steps"]
-        created = [c["started_ns"] for c in gradient_all_reduces(r.collectives)]
+        created = [c["started_ns"] for c in gradient_all_reduces(records(run)[r.rank].collectives)]
         unwaited = 0
         for step in steps:
             mine = [t for t in created if step["accumulated_ns"][0] <= t <= step["stepped_ns"]]

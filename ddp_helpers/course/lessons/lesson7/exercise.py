@@ -72,7 +72,7 @@ _NOTES: dict = {"waited": [], "reducers_built": 0}  # waited: [time.time_ns(), "
 def _install_notes() -> dict:
     """Note (once per process) every wait for a collective (`Work.wait()`, which a blocking `dist.all_reduce`
     calls too, and a future's `wait()`), every `torch.distributed.Reducer` built (DDP builds one), and the sum
-    of what each `dist.all_reduce` was handed (`RankResult.all_reduced`)."""
+    of what each `dist.all_reduce` was handed (`records.RankRecords.all_reduced`)."""
     import torch
     import torch.distributed as dist
     from torch._C._distributed_c10d import Work

@@ -16,6 +16,8 @@ from ddp_helpers import record
 dist.init_process_group("gloo")
 dist.all_reduce(torch.ones(2))
 torch.save({"x": 1}, "saved.pt")
+# Another rank's output, read: the course's audit hook notes it (a crossing); a plain launch installs none.
+open(os.path.join(os.environ["DDP_HELPERS_RUN_DIR"], f"rank{1 - dist.get_rank()}.stdout")).read()
 record("loaded", sorted(m for m in sys.modules if m.startswith("ddp_helpers")))
 record("save_wrapped", hasattr(torch.save, "__wrapped__"))
 record("has_secret", "DDP_HELPERS_RANK_SECRET" in os.environ)
@@ -45,6 +47,7 @@ def test_a_course_launch_keeps_the_records_its_checkers_judge(write_script):
         assert EVIDENCE_HOOK in rank.facts["loaded"] and rank.facts["save_wrapped"] and rank.facts["has_secret"]
         assert any(path.endswith("saved.pt") for path in seen.files_written), seen.files_written
         assert [c["op"] for c in seen.collectives] == ["all_reduce"]
+        assert seen.crossings == (f"opened rank{1 - rank.rank}.stdout",), seen.crossings
 
 
 def test_an_exercise_run_without_the_courses_records_is_told_how_to_get_them(write_script, monkeypatch):

@@ -258,14 +258,16 @@ def check_exercise(folder: Path, gpus: int, backend: str = "nccl") -> None:
            f"the cell as given judged {'wrong' if wrong else 'right'}")
 
 
-def check_hang_report(folder: Path, gpus: int, backend: str = "nccl") -> None:
+def check_hang_report(folder: Path, gpus: int, backend: str = "nccl", timeout_s: float = 30) -> None:
+    """A rank that never calls the all_reduce the other waits in: the report names it. `timeout_s`: room for a
+    first CUDA start on a GPU (the suite's CPU run, warm, needs less)."""
     if gpus < 2:
         report("hang report", None, "needs 2 GPUs (nccl cannot put two ranks on one GPU)")
         return
     from ddp_helpers import launch, make_launch_config
 
     run = launch(make_launch_config(write(folder, "hang.py", HANG), nproc=2, backend=backend, stream=False,
-                                    timeout_s=30))
+                                    timeout_s=timeout_s))
     cause = run.hang.cause if run.hang else ""
     report("hang report", bool(run.timed_out and run.hang and "all_reduce" in cause and "1" in cause),
            f"timed out: {run.timed_out}; the report says: {cause or 'nothing'}")

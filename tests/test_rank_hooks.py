@@ -58,3 +58,22 @@ def test_an_exercise_run_without_the_courses_records_is_told_how_to_get_them(wri
     report = ExerciseReport()
     assert rank_secrets(run, report) is None
     assert "%load_ext ddp_helpers.course" in report.mistakes[0], report.mistakes
+
+
+def test_a_runs_records_are_its_own_after_a_later_launch_into_its_folder(write_script, monkeypatch):
+    """Read as each launch ends, a run's records stay its own when the next launch reuses its folder; one read back
+    before the course's reader was registered finds nothing of the later launch's (secrets included)."""
+    from ddp_helpers import readback
+
+    script = write_script("course", WHAT_RUNS)
+    first, second = run_on_cpu(script, stream=False), run_on_cpu(script, stream=False)
+    assert first.run_dir == second.run_dir and first.ok and second.ok, failure_report(first)
+    mine, theirs = records(first), records(second)
+    assert [seen.secret for seen in mine] != [seen.secret for seen in theirs] and None not in [s.secret for s in mine]
+    assert all(seen.collectives for seen in mine)
+
+    monkeypatch.setattr(readback, "_READERS", [])  # as if the course were loaded after these launches
+    unread, later = run_on_cpu(script, stream=False), run_on_cpu(script, stream=False)
+    assert unread.run_dir == later.run_dir
+    assert all(seen == RankRecords(seen.rank) for seen in records(unread)), records(unread)
+    assert all(seen.secret is not None for seen in records(later))

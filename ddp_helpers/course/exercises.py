@@ -47,18 +47,21 @@ class ExerciseReport:
 
 
 FAILED = "the run did not finish; fix the error shown above first"
+TIMED_OUT = "the run did not finish within its --timeout; the report above says where each rank was: fix that first"
 
 
 def opening(run, report: ExerciseReport, *, ranks_for: str, exactly: int | None = None, at_least: int = 2,
-            facts: tuple[str, ...] = (), files: bool = True, channels: bool = True) -> list[int] | None:
+            facts: tuple[str, ...] = (), facts_hint: str | None = None, files: bool = True,
+            channels: bool = True) -> list[int] | None:
     """What every exercise checker asks of a run before judging what the exercise is about, in this order: the run
     ended well; it ran on the ranks the exercise needs (`exactly`, or `at_least`; `ranks_for`: why, for the hint);
-    every rank recorded the `facts` the checker reads; every rank's secret can be read and no rank went into other
+    every rank recorded the `facts` the checker reads (`facts_hint`: the mistake to name when not, if the generic
+    "keep the record(...) line" does not say it); every rank's secret can be read and no rank went into other
     ranks' files (`rank_secrets`); nothing passed around the collectives (`side_channels`, with `files`: files the
     ranks wrote count, unless writing files is the exercise; `channels=False`: judged later, by the checker).
     Returns the ranks' secrets, or None with the first mistake added to `report`: the checker judges no further."""
     if not run.ok:
-        report.mistakes.append(FAILED)
+        report.mistakes.append(TIMED_OUT if run.timed_out else FAILED)
         return None
     world = len(run.ranks)
     if exactly is not None and world != exactly:
@@ -67,7 +70,10 @@ def opening(run, report: ExerciseReport, *, ranks_for: str, exactly: int | None 
     if exactly is None and world < at_least:
         report.mistakes.append(f"run it on {at_least} ranks or more (it ran on {world}): {ranks_for}")
         return None
-    missing = [name for name in facts if any(name not in r.facts for r in run.ranks)]
+    missing = [name for name in facts if any(name not in r.facts or name in r.unreadable_facts for r in run.ranks)]
+    if missing and facts_hint:
+        report.mistakes.append(facts_hint)
+        return None
     if missing:
         lines = " and ".join(f"record({name!r}, ...)" for name in missing)
         report.mistakes.append(f"keep the {lines} line{'s' if len(missing) > 1 else ''}: the checker reads "

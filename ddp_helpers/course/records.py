@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import secrets as random_bits
+import weakref
 from dataclasses import dataclass, field
 
-from ..run_folder import RunFolder, append_line, register_rank_records, write_atomically
+from ..run_folder import RunFolder, append_line, register_rank_records
 
 _WRITES, _P2P, _ALL_REDUCED, _COLLECTIVES, _CHANNEL_BYTES = (
     "writes.json", "p2p.json", "all_reduced.json", "collectives.json", "channel_bytes.json")
@@ -75,7 +76,7 @@ def draw_secret(folder: RunFolder, rank: int) -> int:
     if kept is not None:
         return kept
     drawn = random_bits.randbits(62)
-    write_atomically(folder.rank_record(rank, _SECRET), str(drawn).encode())
+    folder.write_json(folder.rank_record(rank, _SECRET), {"rank": rank, "secret": drawn})
     return drawn
 
 
@@ -103,8 +104,9 @@ def write(folder: RunFolder, rank: int, *, files_written, point_to_point, all_re
 # ---- read back (checkers, lessons) ----------------------------------------------------------------------------
 
 def read_secret(folder: RunFolder, rank: int) -> int | None:
-    text = folder.read_text(folder.rank_record(rank, _SECRET)).strip()
-    return int(text) if text.isdigit() else None
+    """The rank's secret in the launch `folder.run_id` (None: none drawn, another launch's, or not one)."""
+    secret = (folder.read_own_json(folder.rank_record(rank, _SECRET)) or {}).get("secret")
+    return secret if isinstance(secret, int) and not isinstance(secret, bool) else None
 
 
 def read_crossings(folder: RunFolder, rank: int) -> tuple[str, ...]:
@@ -135,27 +137,27 @@ def read(folder: RunFolder, rank: int) -> RankRecords:
         channel_bytes=dict((folder.read_own_json(folder.rank_record(rank, _CHANNEL_BYTES)) or {}).get("totals", {})))
 
 
-_READ: dict[tuple[str, str], tuple[RankRecords, ...]] = {}  # by (run folder, launch id): a run's records, read once
-_KEEP_READ = 64  # runs; a notebook's exercises judge the run just made
+# Each run's records as read when it ended, kept as long as the run (its RunResult) is: by id, with a weak reference
+# that tells a reused id from the run it was read for.
+_READ: dict[int, tuple[weakref.ref, tuple[RankRecords, ...]]] = {}
 
 
 def read_run(run, folder: RunFolder | None = None) -> None:
-    """Read every rank's records of a finished run into the cache `records` answers from: the launcher calls it as
-    each launch is read back (`readback.read_also`, which `keep_records` asks for), while the run folder is that
-    launch's."""
-    key = (str(run.run_dir), run.run_id)
+    """Read every rank's records of a finished run (a `RunResult`) for `records`: the launcher calls it as each
+    launch is read back (`readback.read_also`, which `keep_records` asks for), while the run folder is that launch's."""
     folder = folder if folder is not None else RunFolder(run.run_dir, run.run_id)
-    _READ.pop(key, None)
-    while len(_READ) >= _KEEP_READ:
-        _READ.pop(next(iter(_READ)))
-    _READ[key] = tuple(read(folder, rank.rank) for rank in run.ranks)
+    key = id(run)
+    _READ[key] = (weakref.ref(run, lambda _, key=key: _READ.pop(key, None)),
+                  tuple(read(folder, rank.rank) for rank in run.ranks))
 
 
 def records(run) -> tuple[RankRecords, ...]:
     """Every rank's records of a finished run (a `RunResult`), indexed by rank: `records(run)[1].files_written`.
-    As read when the run ended (a later launch into the same folder does not change them); a run read back before
-    the course was loaded is read now."""
-    key = (str(run.run_dir), run.run_id)
-    if key not in _READ:
+    As read when the run ended (a later launch into the same folder does not change them). A run read back before
+    the course was loaded is read now: what its folder still holds of that launch (records of a later launch there
+    are never taken for its own)."""
+    kept = _READ.get(id(run))
+    if kept is None or kept[0]() is not run:
         read_run(run)
-    return _READ[key]
+        kept = _READ[id(run)]
+    return kept[1]

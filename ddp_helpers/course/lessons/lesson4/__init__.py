@@ -26,7 +26,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ...exercises import ExerciseReport, opening, FAILED
+from ...exercises import FAILED, TIMED_OUT, ExerciseReport, opening
 from ....flight_recorder import ALL_REDUCE_OPS
 from ....result import RunResult
 from ...records import records
@@ -46,7 +46,7 @@ def check_resume_exercise(run: RunResult) -> ExerciseReport:
     report = ExerciseReport(verdict_when_passed="All checks pass: killed and restarted, the training ends bitwise "
                                                 "where an uninterrupted run does.")
     if not run.ok:
-        report.mistakes.append(FAILED)
+        report.mistakes.append(TIMED_OUT if run.timed_out else FAILED)
         return report
     if run.restarts == 0:
         report.mistakes.append("no rank was killed, so nothing was tested: rank 1 is killed once it prints "
@@ -107,11 +107,11 @@ def _reference(run: RunResult, secrets: list[int]) -> tuple[list[int], dict, set
                                    extra_env={"DDP_LESSONS_DROPOUT_SEEDS": ",".join(map(str, secrets))})
             reference.raise_for_failure()  # the checker's own script: a failure here is not the learner's
             snapshot = _final_snapshot(reference)
+            gradient_all_reduces = _all_reduces(records(reference)[0].collectives)  # read before the folder goes
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         if snapshot is None:
             raise RuntimeError(f"the exercise's reference run wrote no {SNAPSHOT_NAME}")
-        gradient_all_reduces = _all_reduces(records(reference)[0].collectives)
         _REFERENCES[key] = (steps_done(reference.ranks[0].stdout), snapshot, set(gradient_all_reduces),
                             len(gradient_all_reduces))
     return _REFERENCES[key]

@@ -80,12 +80,18 @@ def wrapped_torch_ddp(collectives) -> bool:
                for i, (op, shapes, dtypes) in enumerate(ops[:-1]))
 
 
+FACTS = ("weights", BACKWARD_FACT)
+KEEP_THE_FACTS = ("keep the model from exercise_model(), the training loop and the record(\"weights\", ...) line: the "
+                  "checker reads every rank's weights and when each backward ran")
+
+
 def check_my_ddp_exercise(run: RunResult, *, second_world: bool = True) -> ExerciseReport:
     """Name what is wrong with the learner's MyDDP, or confirm it (see the module docstring)."""
     report = ExerciseReport(verdict_when_passed="All checks pass: your MyDDP trains as DDP does, in buckets of the "
                                                 "cap, overlapped with the backward, at two world sizes.")
     # Side channels, and the facts both runs (this one and the checker's second) must keep, are judged in _judge.
-    if opening(run, report, ranks_for="with one there is nothing to average", channels=False) is None:
+    if opening(run, report, ranks_for="with one there is nothing to average", channels=False, facts=FACTS,
+               facts_hint=KEEP_THE_FACTS) is None:
         return report
     if not _judge(run, report) or not second_world:
         return report
@@ -106,9 +112,8 @@ def check_my_ddp_exercise(run: RunResult, *, second_world: bool = True) -> Exerc
 def _judge(run: RunResult, report: ExerciseReport) -> bool:
     """Add the verdicts on one run to `report`; whether it passed."""
     mistakes = len(report.mistakes)
-    if any("weights" not in r.facts or BACKWARD_FACT not in r.facts for r in run.ranks):
-        report.mistakes.append("keep the model from exercise_model(), the training loop and the record(\"weights\", "
-                               "...) line: the checker reads every rank's weights and when each backward ran")
+    if any(name not in r.facts or name in r.unreadable_facts for name in FACTS for r in run.ranks):
+        report.mistakes.append(KEEP_THE_FACTS)
         return False
     secrets = rank_secrets(run, report)
     if secrets is None:

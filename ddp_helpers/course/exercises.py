@@ -146,13 +146,13 @@ def side_channels(run, *, files: bool = True) -> str | None:
     with `files`, the files they wrote. A checker judges what collectives moved; it cannot see or count what
     crossed another way, so that does not pass."""
     found = []
-    for r in run.ranks:
-        calls, size = records(run)[r.rank].channel_bytes.get("store_calls", 0), records(run)[r.rank].channel_bytes.get("store_bytes", 0)
+    for seen in records(run):
+        calls, size = seen.channel_bytes.get("store_calls", 0), seen.channel_bytes.get("store_bytes", 0)
         where = [f"{calls} key-value store call{'s' if calls != 1 else ''}, {size:,} bytes"] if calls else []
-        if files and records(run)[r.rank].files_written:
-            where.append("wrote " + ", ".join(records(run)[r.rank].files_written[:3]) + (" ..." if len(records(run)[r.rank].files_written) > 3 else ""))
+        if files and seen.files_written:
+            where.append("wrote " + ", ".join(seen.files_written[:3]) + (" ..." if len(seen.files_written) > 3 else ""))
         if where:
-            found.append(f"rank {r.rank}: {'; '.join(where)}")
+            found.append(f"rank {seen.rank}: {'; '.join(where)}")
     if not found:
         return None
     return (f"the ranks passed data around the collectives ({'; '.join(found)}): a store is for finding each other, "

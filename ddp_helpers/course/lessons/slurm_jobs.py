@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ...slurm_commands import (  # noqa: F401 - the lesson's demonstrations name them here
-    STILL_GOING, cancelled_if_this_process_dies, has_ended, job_field, run_or_raise, submit,
+    STILL_GOING, cancelled_if_this_process_dies, has_ended, job_field, submit,
 )
+from ...slurm_commands import run_or_raise as slurm  # noqa: F401 - a Slurm command; LaunchError with Slurm's words if it fails
 
 
 @contextlib.contextmanager
@@ -29,11 +29,6 @@ def job_folder(prefix: str) -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def slurm(command: list[str]) -> subprocess.CompletedProcess:
-    """Run a Slurm command; LaunchError with Slurm's own words if it fails."""
-    return run_or_raise(command)
 
 
 def wait_until(condition: Callable[[], bool], deadline: float, what: str) -> None:

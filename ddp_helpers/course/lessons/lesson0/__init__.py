@@ -13,7 +13,7 @@ a collective (`records.RankRecords.handed_to_collectives`), whatever other road 
 
 from __future__ import annotations
 
-from ...exercises import ExerciseReport, rank_secrets, run_again, side_channels, opening
+from ...exercises import ExerciseReport, opening, run_again, side_channels
 from ....recording import rank_secret
 from ....result import RunResult
 from ...records import records
@@ -36,8 +36,6 @@ def check_mean_exercise(run: RunResult, *, second_world: bool = True) -> Exercis
     """Name what is wrong with the learner's run of the exercise, or confirm it."""
     report = ExerciseReport(verdict_when_passed="All checks pass: every rank holds the mean of all the ranks' "
                                                 "numbers, at two world sizes.")
-    if opening(run, report, ranks_for="one rank has nothing to combine", facts=("mean",), channels=False) is None:
-        return report
     world = len(run.ranks)
     if not _judge(run, report):
         return report
@@ -56,14 +54,11 @@ def _judge(run: RunResult, report: ExerciseReport) -> bool:
     """Add one verdict for `run` to `report`: the first mistake the ranks' means show, or the confirmation.
     Returns whether the run passed."""
     world = len(run.ranks)
-    try:
-        means = run.facts("mean")
-    except KeyError:
-        report.mistakes.append("keep the record('mean', ...) line: the checker reads it")
-        return False
-    secrets = rank_secrets(run, report)
+    # Side channels are judged once the means are: a wrong mean is the first mistake to name.
+    secrets = opening(run, report, ranks_for="one rank has nothing to combine", facts=("mean",), channels=False)
     if secrets is None:
         return False
+    means = run.facts("mean")
     numbers = [number_of(secret) for secret in secrets]
     total = sum(numbers)
     expected = total / world

@@ -21,7 +21,7 @@ It computes the intended training itself, in one process (`exercise_reference`),
 
 from __future__ import annotations
 
-from ...exercises import ExerciseReport, distance, rank_secrets, run_again, side_channels, opening
+from ...exercises import ExerciseReport, distance, opening, run_again, side_channels
 from ....flight_recorder import ALL_REDUCE_OPS
 from ....result import RunResult
 from . import values
@@ -89,10 +89,6 @@ def check_my_ddp_exercise(run: RunResult, *, second_world: bool = True) -> Exerc
     """Name what is wrong with the learner's MyDDP, or confirm it (see the module docstring)."""
     report = ExerciseReport(verdict_when_passed="All checks pass: your MyDDP trains as DDP does, in buckets of the "
                                                 "cap, overlapped with the backward, at two world sizes.")
-    # Side channels, and the facts both runs (this one and the checker's second) must keep, are judged in _judge.
-    if opening(run, report, ranks_for="with one there is nothing to average", channels=False, facts=FACTS,
-               facts_hint=KEEP_THE_FACTS) is None:
-        return report
     if not _judge(run, report) or not second_world:
         return report
     other = SECOND_WORLD if len(run.ranks) != SECOND_WORLD else 2
@@ -112,10 +108,9 @@ def check_my_ddp_exercise(run: RunResult, *, second_world: bool = True) -> Exerc
 def _judge(run: RunResult, report: ExerciseReport) -> bool:
     """Add the verdicts on one run to `report`; whether it passed."""
     mistakes = len(report.mistakes)
-    if any(name not in r.facts or name in r.unreadable_facts for name in FACTS for r in run.ranks):
-        report.mistakes.append(KEEP_THE_FACTS)
-        return False
-    secrets = rank_secrets(run, report)
+    # Side channels are judged below, beside the collectives that are not the buckets'.
+    secrets = opening(run, report, ranks_for="with one there is nothing to average", channels=False, facts=FACTS,
+                      facts_hint=KEEP_THE_FACTS)
     if secrets is None:
         return False
     if any(r.facts[BACKWARD_FACT]["reducers_built"] or wrapped_torch_ddp(records(run)[r.rank].collectives) for r in run.ranks):
@@ -136,7 +131,8 @@ def _judge(run: RunResult, report: ExerciseReport) -> bool:
         report.mistakes.append(f"the ranks' optimizers stepped {'/'.join(map(str, sorted(stepped)))} times, not "
                                f"{STEPS}: keep the training loop as given")
         return False
-    lost = [r.rank for r in run.ranks if not gradient_all_reduces(records(run)[r.rank].collectives) or records(run)[r.rank].collectives[0].get("number", 1) != 1]
+    lost = [seen.rank for seen in records(run)
+            if not gradient_all_reduces(seen.collectives) or seen.collectives[0].get("number", 1) != 1]
     if lost:
         report.mistakes.append(f"torch's flight recorder holds no all-reduce of rank(s) {lost}, or no longer holds "
                                "their first collectives (it keeps the last 2000, or TORCH_FR_BUFFER_SIZE): was it "
@@ -237,14 +233,15 @@ def _judge_contents(run: RunResult, report: ExerciseReport, secrets: list[int], 
     world = len(run.ranks)
     for r in run.ranks:
         # A small tensor's values are logged whole (`_all_reduce_log.MAX_VALUES`), a larger one's sum.
+        seen = records(run)[r.rank]
         carried = [call["sum"] if "sum" in call else sum(call["values"]) if "values" in call else None
-                   for call in records(run)[r.rank].all_reduced]
-        if len(carried) != len(gradient_all_reduces(records(run)[r.rank].collectives)) or None in carried:
+                   for call in seen.all_reduced]
+        if len(carried) != len(gradient_all_reduces(seen.collectives)) or None in carried:
             report.mistakes.append(f"rank {r.rank}: what its all-reduces carried could not be read: the checker reads "
                                    "what each dist.all_reduce call is handed (all_reduce_coalesced, a process "
                                    "group's own allreduce and functional collectives it cannot read), and the "
                                    "flight recorder saw "
-                                   f"{len(gradient_all_reduces(records(run)[r.rank].collectives))} all-reduces against {len(carried)} such calls")
+                                   f"{len(gradient_all_reduces(seen.collectives))} all-reduces against {len(carried)} such calls")
             return
         for step in range(STEPS):
             own = gradients[step][r.rank]

@@ -146,8 +146,8 @@ def check_all_reduce(folder: Path, world: int, cold: bool, backend: str = "nccl"
                          f"fork: {any(bad_fork)}")
 
 
-def run_whole_lesson(number: int) -> tuple[bool, str]:
-    process = subprocess.run([sys.executable, "-m", "ddp_helpers.course.lesson_runner", str(number)], cwd=PROJECT,
+def run_whole_lesson(key: str) -> tuple[bool, str]:
+    process = subprocess.run([sys.executable, "-m", "ddp_helpers.course.lesson_runner", key], cwd=PROJECT,
                              capture_output=True, text=True, timeout=LESSON_TIMEOUT_S)
     last = [line for line in (process.stdout + process.stderr).splitlines() if line.strip()][-1:]
     return process.returncode == 0, (last[0] if last else "")

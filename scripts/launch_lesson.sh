@@ -7,7 +7,7 @@
 # Plots are saved as PNG under runs/<notebook>/plots/; exits non-zero if any check fails.
 set -euo pipefail
 if [ $# -lt 1 ] || [ $# -gt 2 ]; then
-    echo "Usage: scripts/launch_lesson.sh N [--mine | --restore]   (N: the lesson number, e.g. 2)" >&2
+    echo "Usage: scripts/launch_lesson.sh N [--mine | --restore]   (N: the lesson number, e.g. 2; a deep dive: 2b)" >&2
     exit 2
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/ensure_env.sh"

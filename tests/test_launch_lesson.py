@@ -7,6 +7,7 @@ lesson of the same shape (a %%torchrun cell, a check on its facts, a plot), from
 given by DDP_LESSONS_NOTEBOOKS, as an instructor's copy of the course would be."""
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -28,7 +29,7 @@ def test_an_unknown_lesson_lists_the_lessons_available(argument):
     done = launch_lesson(argument)
     assert done.returncode != 0
     assert f"No lesson {argument!r}" in done.stderr
-    assert "0  check setup" in done.stderr
+    assert re.search(r"^ +0 +check setup$", done.stderr, re.M) and re.search(r"^ +2b +ddp in practice$", done.stderr, re.M), done.stderr
 
 
 SMALL_LESSON = [

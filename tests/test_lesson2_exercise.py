@@ -18,12 +18,18 @@ def sources():
     return exercise_sources()
 
 
-def test_the_given_script_has_its_three_mistakes_named(write_script, sources):
+def test_the_given_script_is_judged_wrong_without_naming_its_mistakes_until_asked(write_script, sources):
+    """Run All runs the checker on the exercise as given: it must not hand the learner the three mistakes before
+    they have looked for them (issue 52), yet the run is judged, and fails."""
     run = run_on_cpu(write_script("exercise", sources[0]), nproc=2, stream=False)
     assert run.ok, failure_report(run)
     report = check_training_exercise(run)
     assert not report.passed
     text = str(report)
+    assert "made the three mistakes the script is given with" in text and "3 mistakes to fix" in text, text
+    for named in ("same order", "each wrote checkpoint.pt", "module.", "set_epoch", "rank 0"):
+        assert named not in text, f"the first look names {named!r}:\n{text}"
+    text = str(check_training_exercise(run, name_mistakes=True))
     assert "epochs 0 and 1, 0 and 2, 1 and 2 went through the data in the same order" in text
     assert "ranks [0, 1] each wrote checkpoint.pt" in text
     assert "keys start with 'module.'" in text

@@ -14,9 +14,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from ddp_helpers.course.lesson_runner import find_lesson
 from ddp_helpers.course.manifest import lessons, read_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
 
 MANIFEST = """\
 number = 99
@@ -71,7 +73,7 @@ def test_a_new_lesson_is_its_folder_and_its_notebook(tmp_path):
     listed = run_in(project, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
                     "-o", "addopts=", "tests/test_browser.py")
     assert "test_notebook_runs_in_jupyterlab[99_throwaway.ipynb]" in listed.stdout, listed.stdout + listed.stderr
-    expected = run_in(project, "-c", "from ddp_helpers.course.manifest import lessons; print(lessons()[99].browser)")
+    expected = run_in(project, "-c", "from ddp_helpers.course.manifest import lessons; print(lessons()['99'].browser)")
     assert "two and two make four" in expected.stdout, expected.stderr
 
     ledger = ["-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "-o", "addopts=", "tests/test_project.py",
@@ -99,5 +101,25 @@ def test_a_broken_manifest_names_its_file(tmp_path):
         read_manifest(tmp_path / "lesson.toml")
 
 
-def test_the_course_lessons_are_numbered_0_to_7():
-    assert list(lessons()) == list(range(8))
+def test_the_course_is_lessons_0_to_7_with_deep_dives_beside_them():
+    """The core path is lessons 0 to 7 in order; a deep dive follows its lesson ("2b" after "2"), has a notebook
+    named after it, and is found by the runner by its key whichever way it is typed."""
+    course = lessons()
+    assert [key for key, lesson in course.items() if not lesson.deep_dive] == [str(n) for n in range(8)]
+    keys = list(course)
+    for key, lesson in course.items():
+        if lesson.deep_dive:
+            assert keys.index(key) > keys.index(str(lesson.number)), f"deep dive {key} comes before its lesson"
+            assert lesson.notebook.startswith(f"{lesson.number:02d}{lesson.part}_"), lesson.notebook
+            for typed in (key, f"{lesson.number:02d}{lesson.part}", key.upper()):
+                assert find_lesson(typed, NOTEBOOKS) == NOTEBOOKS / lesson.notebook, typed
+    assert "2b" in course, "lesson 2's deep dive"
+
+
+def test_a_deep_dive_part_is_one_letter(tmp_path):
+    (tmp_path / "lesson.toml").write_text('number = 2\npart = "bb"\nnotebook = "02bb_x.ipynb"\n')
+    with pytest.raises(ValueError, match="one lower-case letter"):
+        read_manifest(tmp_path / "lesson.toml")
+    (tmp_path / "lesson.toml").write_text('number = 2\nnotebook = "02_x.ipynb"\n')  # a core lesson needs its exercise
+    with pytest.raises(ValueError, match="KeyError: 'checker'"):
+        read_manifest(tmp_path / "lesson.toml")

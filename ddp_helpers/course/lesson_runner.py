@@ -30,24 +30,40 @@ NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS_ENV = "DDP_LESSONS_NOTEBOOKS"
 
 
-def available_lessons(folder: Path | None = None) -> dict[int, Path]:
-    """{number: notebook} of the lessons whose notebooks `folder` holds: the course's, by their manifests
-    (`manifest.lessons`), and an instructor's own `NN_name.ipynb` there that no manifest names."""
+def available_lessons(folder: Path | None = None) -> dict[str, Path]:
+    """{key: notebook} of the lessons whose notebooks `folder` holds ("2", and "2b" for a deep dive): the course's,
+    by their manifests (`manifest.lessons`), and an instructor's own `NN_name.ipynb` or `NNx_name.ipynb` there that
+    no manifest names."""
     folder = folder or Path(os.environ.get(NOTEBOOKS_ENV) or NOTEBOOKS)
-    found = {number: folder / lesson.notebook for number, lesson in manifest.lessons().items()
+    found = {key: folder / lesson.notebook for key, lesson in manifest.lessons().items()
              if (folder / lesson.notebook).is_file()}
-    for path in sorted(folder.glob("[0-9][0-9]_*.ipynb")):
-        found.setdefault(int(path.name[:2]), path)
-    return dict(sorted(found.items()))
+    for path in sorted(folder.glob("[0-9][0-9]*_*.ipynb")):
+        own = OWN_NOTEBOOK.fullmatch(path.name)
+        if own and path not in found.values():
+            found.setdefault(f"{int(own.group(1))}{own.group(2)}", path)
+    return dict(sorted(found.items(), key=lambda item: _order(item[0])))
+
+
+#: an instructor's own lesson: `07_name.ipynb`, or a deep dive `07b_name.ipynb`
+OWN_NOTEBOOK = re.compile(r"(\d\d)([a-z]?)_.+\.ipynb")
+
+
+def _order(key: str) -> tuple[int, str]:
+    digits = key.rstrip("abcdefghijklmnopqrstuvwxyz")
+    return int(digits), key[len(digits):]
 
 
 def find_lesson(argument: str, folder: Path | None = None) -> Path:
-    """The notebook of lesson `argument` ("2" or "02"), or SystemExit listing the lessons there are."""
+    """The notebook of lesson `argument` ("2" or "02", a deep dive "2b" or "02b"), or SystemExit listing the lessons
+    there are."""
     lessons = available_lessons(folder)
-    if re.fullmatch(r"\d{1,2}", argument.strip()) and int(argument) in lessons:
-        return lessons[int(argument)]
-    listing = "\n".join(f"  {n}  {path.stem[3:].replace('_', ' ')}" for n, path in lessons.items())
-    raise SystemExit(f"No lesson {argument!r}. Lessons available:\n{listing}\nUsage: scripts/launch_lesson.sh N")
+    match = re.fullmatch(r"(\d{1,2})([a-z]?)", argument.strip().lower())
+    key = match and f"{int(match.group(1))}{match.group(2)}"
+    if key in lessons:
+        return lessons[key]
+    listing = "\n".join(f"  {key:<3} {path.stem.split('_', 1)[-1].replace('_', ' ')}" for key, path in lessons.items())
+    raise SystemExit(f"No lesson {argument!r}. Lessons available:\n{listing}\nUsage: scripts/launch_lesson.sh N "
+                     "(a deep dive: 2b)")
 
 
 class PngSavingPublisher(DisplayPublisher):

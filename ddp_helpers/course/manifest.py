@@ -1,7 +1,9 @@
 """The course's lessons, each one folder: `course/lessons/lessonN/` holds the lesson's code (its module, plots, quiz,
 checker) and `lesson.toml`, its manifest, which names what the course's tools need to know of it: its notebook in
 notebooks/, the README's row, its exercise's checker and quiz, its tests, what the browser test must see, and its
-ledger of ✓ checks (`checks.md` beside it). The lesson runner, the browser test, the quick loop's list of slow
+ledger of ✓ checks (`checks.md` beside it). A lesson of the core path has a number (`lesson2/`); a deep dive beside
+it has the number and a letter (`lesson2b/`, "2b", its notebook `02b_...ipynb`): read after lesson 2, before 3, by
+whoever wants the depth; the core path never needs it. The lesson runner, the browser test, the quick loop's list of slow
 tests and the ledger check all read the manifests: adding a lesson is its folder and its notebook.
 """
 
@@ -34,15 +36,25 @@ class BrowserExpectation:
 @dataclass(frozen=True)
 class Lesson:
     number: int
+    part: str  # "" for a lesson of the core path, a letter for a deep dive beside it ("b" in 2b)
     folder: Path
     notebook: str
     summary: str
     time: str
-    checker: str
+    checker: str | None  # a deep dive may have no exercise
     quiz: str
     tests: tuple[str, ...]
     slow: bool
     browser: BrowserExpectation
+
+    @property
+    def key(self) -> str:
+        """What a learner types to run it (`scripts/launch_lesson.sh 2b`): "2", or "2b" for a deep dive."""
+        return f"{self.number}{self.part}"
+
+    @property
+    def deep_dive(self) -> bool:
+        return bool(self.part)
 
     @property
     def package(self) -> str:
@@ -55,9 +67,12 @@ class Lesson:
 
     @property
     def readme_row(self) -> str:
-        return f"| {self.number} | `{self.notebook}` | {self.summary} | {self.time} |"
+        return f"| {self.key} | `{self.notebook}` | {self.summary} | {self.time} |"
 
     def load_checker(self):
+        """The exercise's checker; None for a deep dive without an exercise."""
+        if not self.checker:
+            return None
         module, _, function = self.checker.rpartition(":")
         return getattr(importlib.import_module(f"{self.package}.{module}" if module else self.package), function)
 
@@ -69,8 +84,13 @@ def read_manifest(path: Path) -> Lesson:
     """The lesson whose manifest is `path`; ValueError naming the file and what is wrong with it."""
     try:
         data = tomllib.loads(path.read_text())
-        return Lesson(number=int(data["number"]), folder=path.parent, notebook=data["notebook"],
-                      summary=data.get("summary", ""), time=data.get("time", ""), checker=data["checker"],
+        part = str(data.get("part", ""))
+        if part and not (len(part) == 1 and part.isalpha() and part.islower()):
+            raise ValueError(f"part = {part!r}: one lower-case letter, a deep dive's (\"b\" for 2b)")
+        notebook = data["notebook"]
+        checker = data["checker"] if not part else data.get("checker")  # only a core lesson must have an exercise
+        return Lesson(number=int(data["number"]), part=part, folder=path.parent, notebook=notebook,
+                      summary=data.get("summary", ""), time=data.get("time", ""), checker=checker,
                       quiz=data.get("quiz", "quiz"), tests=tuple(data.get("tests", ())), slow=bool(data.get("slow")),
                       browser=BrowserExpectation(**data.get("browser", {})))
     except (KeyError, TypeError, ValueError, tomllib.TOMLDecodeError) as error:
@@ -78,12 +98,13 @@ def read_manifest(path: Path) -> Lesson:
                          f"{LESSONS_FOLDER / 'lesson0' / MANIFEST} for one") from None
 
 
-def lessons(folder: Path = LESSONS_FOLDER) -> dict[int, Lesson]:
-    """Every lesson of the course by number, from its folder's manifest."""
+def lessons(folder: Path = LESSONS_FOLDER) -> dict[str, Lesson]:
+    """Every lesson of the course by its key ("2", "2b"), in the course's order (each lesson, then its deep dives),
+    from its folder's manifest."""
     found = {}
     for path in sorted(folder.glob(f"*/{MANIFEST}")):
         lesson = read_manifest(path)
-        if lesson.number in found:
-            raise ValueError(f"{path}: lesson {lesson.number} is also {found[lesson.number].folder / MANIFEST}")
-        found[lesson.number] = lesson
-    return dict(sorted(found.items()))
+        if lesson.key in found:
+            raise ValueError(f"{path}: lesson {lesson.key} is also {found[lesson.key].folder / MANIFEST}")
+        found[lesson.key] = lesson
+    return dict(sorted(found.items(), key=lambda item: (item[1].number, item[1].part)))

@@ -17,7 +17,9 @@ are held to the checkpoint:
   indices recorded but not trained on, do not match. Each rank jitters its batches with noise drawn from
   its secret (`my_augmentation`; `ddp_helpers.rank_secret`), as data augmentation draws from each rank's
   own generator: no rank can compute another's gradients, so the ranks must train together.
-Hints name the mistake found without handing out the fix.
+Hints name the mistake found without handing out the fix. On a run that makes exactly the three mistakes the
+script is given with (the exercise not yet tried), the checker says so and names none of them: finding them is the
+exercise. It names them once one is fixed, or when asked (`name_mistakes=True`).
 """
 
 from __future__ import annotations
@@ -66,8 +68,14 @@ def my_augmentation(inputs, indices):
     return augment(inputs, indices, rank_secret())
 
 
-def check_training_exercise(run: RunResult) -> ExerciseReport:
-    """Name each mistake of lesson 2's exercise that the run shows."""
+#: how each of the three mistakes the exercise is given with shows in the checker's report
+AS_GIVEN = ("went through the data in the same order on every rank", "each wrote " + CHECKPOINT_NAME,
+            "keys start with 'module.'")
+
+
+def check_training_exercise(run: RunResult, name_mistakes: bool = False) -> ExerciseReport:
+    """Name each mistake of lesson 2's exercise that the run shows; on a run that makes just the three the exercise
+    is given with, say so without naming them, unless `name_mistakes`."""
     report = ExerciseReport()
     # The files written are judged below: who saved.
     secrets = opening(run, report, ranks_for="one rank has no other to average its gradients with", files=False)
@@ -81,6 +89,13 @@ def check_training_exercise(run: RunResult) -> ExerciseReport:
         state = _check_checkpoint_contents(path, report)
         if state is not None and averaged:  # weights of ranks that never trained together would only repeat that
             _check_trained_weights(state, orders, secrets, report, run)
+    if not name_mistakes and len(report.mistakes) == len(AS_GIVEN) and all(
+            any(sign in mistake for mistake in report.mistakes) for sign in AS_GIVEN):
+        report.withheld = (
+            "your run made the three mistakes the script is given with. Find them in the script before the checker "
+            "names them: each is one of this lesson's steps done wrong or left out. Once one is fixed, run both "
+            "cells again and the checker names each mistake still there (stuck? "
+            "check_training_exercise(exercise, name_mistakes=True) names them now)")
     return report
 
 

@@ -44,17 +44,4 @@ QUESTIONS = [
              0,
              "Tensors remember their device: without map_location all ranks would load onto cuda:0 and pile up there.",
              "Step 2's trap, in another place."),
-    Question("Gradient accumulation over 4 micro-batches: what does model.no_sync() save?",
-             ("Memory for activations", "The all-reduce of the first 3 micro-batches' gradients",
-              "The optimizer step"),
-             1,
-             "Inside no_sync, backward() only accumulates locally; the all-reduce runs once, on the last micro-batch.",
-             "Step 5 used no_sync to see one rank's own gradient: what did it skip?"),
-    Question("Under DDP with a GradScaler, one step's gradients overflow on rank 1 only. What do the ranks do?",
-             ("Rank 1 skips the step, the others take it", "Every rank skips the step and halves its scale",
-              "The run stops with an error"),
-             1,
-             "The scaler's inf check is local, but it checks the gradients DDP averaged in backward(): rank 1's inf "
-             "is in the sum on every rank, so every rank skips, and the weights stay equal.",
-             "When the scaler looks for an inf, which gradients does each rank hold?"),
 ]

@@ -373,6 +373,24 @@ def kernel_names(source: str) -> tuple[set[str], set[str]]:
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_name_a_cell_reads_was_made_by_a_cell_above_it(notebook):
+    """Run All in order leaves no cell reading a name no cell above it made: a lesson split into a core and a deep
+    dive, or a cell moved, would otherwise fail only in the slow notebook runs (3b once read `warnings`, imported
+    in a cell left in lesson 3)."""
+    import builtins
+
+    provided = set(dir(builtins)) | {"display", "get_ipython", "In", "Out", "exit", "quit"}  # IPython's own
+    made, missing = set(), []
+    for number, cell in enumerate(json.loads(notebook.read_text())["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        bound, read = kernel_names("".join(cell["source"]))
+        missing += [f"cell {number} reads {name!r}" for name in sorted(read - made - provided)]
+        made |= bound
+    assert missing == [], f"{notebook.name}: no cell above makes these:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.name)
 def test_a_cell_run_again_after_run_all_reads_what_it_read_the_first_time(notebook):
     """A learner runs a cell again, after the whole notebook ran: what it reads from the kernel must still be what
     the cells above it made, not a later cell's value under the same name (lesson 2's explorer compared against

@@ -25,12 +25,4 @@ QUESTIONS = [
              ("Only on 2 ranks", "On any number of ranks, and in a plain process", "Only after converting with dcp_to_torch_save"), 1,
              "The metadata says which piece of which tensor is where; each loading rank reads what its own sharding needs.",
              "Look at the world sizes the checkpoint loaded at."),
-    Question("A model is built on meta and sharded over 2 CPU ranks; after to_empty, each rank calls torch.manual_seed(0) "
-             "and torch.nn.init.normal_ on its local shards (p.to_local()). What do the weights hold?",
-             ("What one process would draw for the whole tensors", "Rank 1's rows repeat rank 0's numbers: the model "
-              "changes with the world size", "Nothing: meta tensors cannot be initialised"), 1,
-             "Each rank draws from the start of the same stream for its own rows. A rule per row of the whole tensor "
-             "gives the same numbers at any world size (DTensor's own random ops on GPUs give each shard a stream of "
-             "its own, but other numbers at another world size).",
-             "Which numbers would one process give the second half of the rows?"),
 ]

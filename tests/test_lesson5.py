@@ -247,7 +247,7 @@ def test_a_run_stopped_by_its_timeout_while_training_is_not_called_a_hang():
 
 
 def test_torchrun_shows_the_root_cause_traceback_only_with_record(tmp_path):
-    """Section 3's check that torchrun's summary holds the failing rank's traceback fails for the same script
+    """Deep dive 5b's check (section 2) that torchrun's summary holds the failing rank's traceback fails for the same script
     without `@record` (error_file: <N/A>); `torchrun_failures` reads which rank torchrun named, and when."""
     import nbformat
 
@@ -255,7 +255,7 @@ def test_torchrun_shows_the_root_cause_traceback_only_with_record(tmp_path):
     from ddp_helpers.course.lessons.plain_torchrun import run_torchrun_command
     from support import course_notebook
 
-    cells = nbformat.read(course_notebook("05_when_things_go_wrong.ipynb"), as_version=4).cells
+    cells = nbformat.read(course_notebook("05b_debugging_on_a_cluster.ipynb"), as_version=4).cells
     source = next(c.source for c in cells if c.source.startswith("%%torchrun --name recorded")).split("\n", 1)[1]
     assert "@record" in source
     for decorated, script in ((True, source), (False, source.replace("@record", ""))):

@@ -222,14 +222,14 @@ def test_the_generated_job_script_runs_with_plain_sbatch(cluster, write_script, 
 
 
 def test_the_lessons_srun_tasks_make_one_world_without_torchrun(cluster):
-    """Lesson 4's script for one srun task per rank (shown in the notebook) maps Slurm's variables to a
+    """Deep dive 4b's script for one srun task per rank (shown in the notebook) maps Slurm's variables to a
     world of 2 nodes × 2 tasks, run with plain sbatch and srun."""
     import nbformat
 
     from ddp_helpers.course.lessons.lesson4.srun import TASK_SCRIPT, run_as_srun_tasks
     from support import course_notebook
 
-    cells = nbformat.read(course_notebook("04_launching_with_torchrun.ipynb"), as_version=4).cells
+    cells = nbformat.read(course_notebook("04b_clusters_in_depth.ipynb"), as_version=4).cells
     shown = next(cell.source for cell in cells if cell.get("id") == "lesson4-srun-tasks")
     assert f"```python\n{TASK_SCRIPT.rstrip()}\n```" in shown, "the lesson must show the script it runs"
     outputs = run_as_srun_tasks(nodes=2, tasks_per_node=2, timeout_s=120)
@@ -238,7 +238,7 @@ def test_the_lessons_srun_tasks_make_one_world_without_torchrun(cluster):
 
 
 def test_the_lessons_preempted_job_saves_requeues_and_resumes_bitwise(cluster):
-    """Lesson 4's preemption: warned with SIGUSR1 (scancel --signal standing in for --signal=B:USR1@T), the
+    """Deep dive 4b's preemption: warned with SIGUSR1 (scancel --signal standing in for --signal=B:USR1@T), the
     job saves, requeues itself and resumes; every step runs once, and it ends bitwise where the same
     training without a warning ends. The notebook shows this training script."""
     import nbformat
@@ -247,7 +247,7 @@ def test_the_lessons_preempted_job_saves_requeues_and_resumes_bitwise(cluster):
     from ddp_helpers.course.lessons.lesson4.preemption import STEPS, TRAIN_SCRIPT, run_preempted, run_uninterrupted
     from support import course_notebook
 
-    cells = nbformat.read(course_notebook("04_launching_with_torchrun.ipynb"), as_version=4).cells
+    cells = nbformat.read(course_notebook("04b_clusters_in_depth.ipynb"), as_version=4).cells
     shown = next(cell.source for cell in cells if cell.get("id") == "lesson4-preemption")
     assert f"```python\n{TRAIN_SCRIPT.rstrip()}\n```" in shown, "the lesson must show the training it runs"
     log, preempted = run_preempted(after_line="step 5 done")

@@ -21,12 +21,6 @@ QUESTIONS = [
               "The learning rate was too high"), 1,
              "The step's randomness (dropout masks, augmentation) comes from each rank's generator: save and restore it per rank.",
              "What else, besides weights and optimizer, decides what a step computes?"),
-    Question("Nodes gpu-b and gpu-a run the same torchrun command with the c10d rendezvous; gpu-b starts a minute "
-             "earlier and says --node-rank 0. Which one is machine 0 (GROUP_RANK 0)?",
-             ("gpu-b: it arrived first", "gpu-b: it said --node-rank 0", "gpu-a: its name sorts first"), 2,
-             "c10d ignores --node-rank and the order of arrival: it sorts the agents by (address, process id) and "
-             "numbers them in that order.",
-             "Look at which agent got GROUP_RANK 0 in the --local-addr demonstration."),
     Question("Why --rdzv-id $SLURM_JOB_ID?",
              ("It sets the master port", "It keeps two jobs' agents from joining each other", "It is required by srun"), 1,
              "Agents meet by endpoint and id: a unique id per job means one job's agents never join another's.",

@@ -260,7 +260,7 @@ class ZygoteHandle:
     def note(self, text: str) -> None:
         """Say, in one line, why this launch runs cold: at every launch it does, not only the first."""
         # A cold launch: fresh interpreters that import torch themselves, not forked from the warm process. Said
-        # without the jargon: a learner meets it mid-lesson (lesson 2's TORCH_DISTRIBUTED_DEBUG).
+        # without the jargon: a learner meets it mid-lesson (deep dive 2b's TORCH_DISTRIBUTED_DEBUG).
         print(f"{COLD_NOTE}{text}", file=sys.stderr, flush=True)
 
     def replace(self) -> None:

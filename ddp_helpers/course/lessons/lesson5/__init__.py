@@ -15,7 +15,7 @@ all-reduces count too); the ranks' weights agree bitwise; they are the reference
 each rank's all-reduces carried its own gradient every step (what it handed `dist.all_reduce`, or what its DDP
 model handed DDP's buckets), so that ranks learning each other's data by any other road are judged wrong.
 
-Also here: `py_spy_dump`, section 6's look at a live job from outside.
+Also here: `py_spy_dump`, deep dive 5b's look at a live job from outside.
 """
 
 from __future__ import annotations

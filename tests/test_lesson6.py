@@ -2,6 +2,7 @@
 benchmark run for real on CPU ranks."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +49,7 @@ def test_the_benchmark_measures_all_reduce_on_this_machine(tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
-# ---- the exercise: half the bytes, the same training ----------------------------------------------------
+# ---- the exercise: a quarter of the bytes, the same training -------------------------------------------
 
 from ddp_helpers.course.lessons.lesson6.exercise import all_reduce_bytes, check_compression_exercise, exercise_reference, parameter_bytes  # noqa: E402
 from support import exercise_cells, failure_report, run_on_cpu  # noqa: E402
@@ -59,13 +60,24 @@ WRAP = "ddp = DDP(model, device_ids=[local_rank] if device.type == \"cuda\" else
 
 @pytest.fixture(scope="module")
 def given():
-    _, script, (solution, *_) = exercise_cells("06_is_it_fast.ipynb")
-    assert WRAP in script and "fp16_compress_hook" in solution
-    return script, solution
+    """(the script as given, made to all-reduce once a step with the solution's loop; the solution's hook lines).
+    Every hook below is tried on the once-a-step script: its bytes and weights are then the hook's doing."""
+    _, script, (hook, loop, *_) = exercise_cells("06_is_it_fast.ipynb")
+    assert WRAP in script and "fp16_compress_hook" in hook and "no_sync" in loop
+    return script, with_loop(script, "import contextlib\n" + loop), hook
+
+
+GIVEN_LOOP = re.compile(r"^for step in range\(STEPS\):\n(?:    .*\n)+", re.M)
+
+
+def with_loop(script: str, loop: str) -> str:
+    """The script with its training loop replaced by `loop` (which may start with imports)."""
+    assert GIVEN_LOOP.search(script), "the exercise's loop changed"
+    return GIVEN_LOOP.sub(lambda _: loop.rstrip("\n") + "\n", script, count=1)
 
 
 def with_hook(script: str, lines: str) -> str:
-    """The given script with `lines` right after the DDP wrap."""
+    """The script with `lines` right after the DDP wrap."""
     return script.replace(WRAP, WRAP + lines)
 
 
@@ -77,14 +89,57 @@ def judged(write_script, source: str):
 def test_the_given_script_trains_but_sends_every_byte(write_script, given):
     run, report = judged(write_script, given[0])
     assert run.ok and not report.passed, failure_report(run)
-    assert "100% of plain DDP's" in str(report) and "weights are the uncompressed training's" in str(report), str(report)
+    assert "100% of the" in str(report) and "over a quarter" in str(report), str(report)
+    assert "weights are the uncompressed training's" in str(report), str(report)
+    assert len(report.mistakes) == 1, f"an honest script's only mistake is its bytes:\n{report}"
 
 
-def test_the_solution_passes_with_exactly_half_the_bytes(write_script, given):
-    run, report = judged(write_script, with_hook(given[0], given[1]))
+def test_the_solution_passes_with_one_float16_all_reduce_a_step(write_script, given):
+    run, report = judged(write_script, with_hook(given[1], given[2]))
     assert run.ok and report.passed, f"{report}\n{failure_report(run)}"
     sent = [size for size in all_reduce_bytes(records(run)[0].collectives) if size > 64]
-    assert sent and set(sent) == {parameter_bytes() // 2}, sent
+    assert sent and set(sent) == {parameter_bytes() // 2} and len(sent) == 30, sent
+
+
+# Another right route: no micro-batches at all, the whole share in one forward and backward (where memory allows).
+WHOLE_SHARE = """for step in range(STEPS):
+    inputs, targets = my_batch(step)
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(ddp(inputs.to(device)), targets.to(device)) / 2  # printed as 2 * loss
+    (2 * loss).backward()
+    optimizer.step()
+"""
+# Wrong: no_sync around the last micro-batch instead of the first: the first is averaged, the last stays each
+# rank's own, and the ranks step on different gradients.
+NO_SYNC_ON_THE_LAST = """import contextlib
+for step in range(STEPS):
+    inputs, targets = my_batch(step)
+    optimizer.zero_grad()
+    for index, (micro_inputs, micro_targets) in enumerate(zip(inputs.chunk(2), targets.chunk(2))):
+        with ddp.no_sync() if index == 1 else contextlib.nullcontext():
+            loss = torch.nn.functional.mse_loss(ddp(micro_inputs.to(device)), micro_targets.to(device)) / 2
+            loss.backward()
+    optimizer.step()
+"""
+
+
+def test_the_whole_share_at_once_is_a_right_route_too(write_script, given):
+    run, report = judged(write_script, with_hook(with_loop(given[0], WHOLE_SHARE), given[2]))
+    assert run.ok and report.passed, f"{report}\n{failure_report(run)}"
+
+
+@pytest.mark.parametrize("lever", ["compression only", "no_sync only"])
+def test_one_lever_alone_sends_half_of_the_given_bytes(write_script, given, lever):
+    script = with_hook(given[0], given[2]) if lever == "compression only" else given[1]
+    run, report = judged(write_script, script)
+    assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
+    assert "50% of the" in str(report) and "over a quarter" in str(report), str(report)
+
+
+def test_no_sync_on_the_wrong_micro_batch_leaves_the_ranks_apart(write_script, given):
+    run, report = judged(write_script, with_hook(with_loop(given[0], NO_SYNC_ON_THE_LAST), given[2]))
+    assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
+    assert "the ranks ended with different weights" in str(report), str(report)
 
 
 POWERSGD = ("from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook\n"
@@ -162,22 +217,22 @@ ddp.register_comm_hook(None, through_sends)
 
 
 def test_the_store_is_named_as_a_side_channel(write_script, given):
-    run, report = judged(write_script, with_hook(given[0], THROUGH_THE_STORE))
+    run, report = judged(write_script, with_hook(given[1], THROUGH_THE_STORE))
     assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
     assert "key-value store calls" in str(report) and "bytes" in str(report), str(report)
     assert len(report.mistakes) == 1, str(report)
 
 
 def test_float32_gradients_through_a_channel_the_count_does_not_see_fail(write_script, given):
-    run, report = judged(write_script, with_hook(given[0], THROUGH_FILES))
+    run, report = judged(write_script, with_hook(given[1], THROUGH_FILES))
     assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
     assert "the weights are the float32 training's to float32's precision" in str(report), str(report)
 
 
 def test_point_to_point_bytes_count_however_the_process_group_is_reached(write_script, given):
-    run, report = judged(write_script, with_hook(given[0], THROUGH_PROCESS_GROUP_SENDS))
+    run, report = judged(write_script, with_hook(given[1], THROUGH_PROCESS_GROUP_SENDS))
     assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
-    assert "150% of plain DDP's" in str(report), str(report)
+    assert "75% of the" in str(report), str(report)
     assert all(r.channel_bytes["sent_bytes"] >= 30 * parameter_bytes() for r in records(run)), [r.channel_bytes for r in records(run)]
 
 
@@ -189,13 +244,13 @@ def test_a_flooded_flight_recorder_is_named_not_trusted(write_script, given):
 
 
 @pytest.mark.parametrize("fix, said", [
-    (POWERSGD.format(options=""), "not half. Section 5 measured what DDP can send"),
-    (FAKE_FP16, "150% of plain DDP's"),
+    (POWERSGD.format(options=""), "over a quarter. A step's bytes are"),
+    (FAKE_FP16, "75% of the"),
     (POWERSGD.format(options=", matrix_approximation_rank=1, start_powerSGD_iter=2"), "hook changed what the model learns"),
     (DROP_HALF, "hook changed what the model learns"),
 ], ids=["powersgd-defaults", "fp16-for-show-float32-gathered", "powersgd-compressing", "drop-half-the-gradient"])
 def test_wrong_fixes_fail(write_script, given, fix, said):
-    run, report = judged(write_script, with_hook(given[0], fix))
+    run, report = judged(write_script, with_hook(given[1], fix))
     assert run.ok and not report.passed and said in str(report), f"{report}\n{failure_report(run)}"
 
 
@@ -290,7 +345,7 @@ def test_the_others_shares_learned_over_a_raw_socket_are_judged_wrong_for_want_o
     from support import SOCKET_EXCHANGE, free_port
 
     from ddp_helpers.course.lessons.lesson6.exercise import my_batch as turn_the_log_on  # noqa: F401 - the name the cheat hides
-    cheat = with_hook(given[0], given[1] + "my_batch(0)  # the launcher's log turned on, as the honest script does\n"
+    cheat = with_hook(given[1], given[2] + "my_batch(0)  # the launcher's log turned on, as the honest script does\n"
                       + GLOBAL_BATCH_FROM_A_SOCKET)
     run = run_on_cpu(write_script("exercise", SOCKET_EXCHANGE + cheat), stream=False, timeout_s=120,
                      extra_env={"SIDE_PORT": str(free_port())})

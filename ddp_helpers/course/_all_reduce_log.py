@@ -171,7 +171,9 @@ def log_ddp_gradients() -> None:
     gradient, logged as {"collective": "ddp", "parameter": i, "sum", "values" (small ones)}. DDP all-reduces its
     buckets from C++, where nothing here sees them, and those local gradients are what it copies into them. Called by an exercise's
     rank-side helper (lesson 5's `my_shard`): DDP models made before or after the call are seen, at their first
-    forward. Logging only: the gradients are not changed."""
+    forward. Only a backward that DDP all-reduces is logged (its forward ran outside `no_sync`), with what DDP then
+    hands on: the gradient accumulated over the micro-batches before it, this one's added. Logging only: the
+    gradients are not changed."""
     from torch.nn.parallel import DistributedDataParallel
 
     original = DistributedDataParallel.forward
@@ -183,14 +185,20 @@ def log_ddp_gradients() -> None:
         if not getattr(self, "_ddp_helpers_logged", False):
             self._ddp_helpers_logged = True
             for index, parameter in enumerate(p for p in self.module.parameters() if p.requires_grad):
-                parameter.register_hook(functools.partial(_log_ddp_gradient, index))
+                parameter.register_hook(functools.partial(_log_ddp_gradient, self, index, parameter))
+        # DDP decides in the forward whether this backward all-reduces (`no_sync` sets the flag False).
+        self._ddp_helpers_syncs = self.require_backward_grad_sync
         return original(self, *args, **kwargs)
 
     forward.__ddp_helpers_logged__ = True
     DistributedDataParallel.forward = forward
 
 
-def _log_ddp_gradient(index: int, gradient) -> None:
+def _log_ddp_gradient(ddp, index: int, parameter, gradient) -> None:
+    if not getattr(ddp, "_ddp_helpers_syncs", True):
+        return  # a micro-batch under no_sync: DDP sends nothing of it yet
+    if parameter.grad is not None:  # the micro-batches before, accumulated: DDP sends their sum with this one
+        gradient = parameter.grad + gradient
     if len(other_calls) < MAX_CALLS and not _capturing(gradient):
         entry = {"collective": "ddp", "parameter": index, "shape": list(gradient.shape),
                  "sum": float(gradient.detach().double().sum())}

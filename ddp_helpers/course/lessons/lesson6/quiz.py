@@ -27,12 +27,6 @@ QUESTIONS = [
              ("Far fewer: it compresses", "Half", "The same: it has not started compressing"), 2,
              "start_powerSGD_iter defaults to 1000: the first 1000 steps run a plain all-reduce.",
              "Look at PowerSGDState's defaults."),
-    Question("One batch takes 64 ms to read, and the step computes in 20 ms; the loader has num_workers=0. What does "
-             "a network twice as fast do to the step?",
-             ("Next to nothing: the step waits about 64 ms for each batch", "It halves the step", "It makes the step 20 ms"), 0,
-             "The loop reads each batch itself before it computes: about 84 ms a step, whatever the all-reduce costs. "
-             "Loader workers per rank read ahead, so the step becomes about the computation's 20 ms.",
-             "Look at the 0-worker bar in the input-stall plot."),
     Question("How many buckets does DDP all-reduce in the first backward of a model with 8 MiB of gradients, with "
              "`bucket_cap_mb=1`?",
              ("8, one per MiB", "1: the buckets are built after the first step", "None: the first step does not "
@@ -41,4 +35,11 @@ QUESTIONS = [
              "then it rebuilds its buckets once, in the order the gradients became ready, closing each at its cap "
              "(torch/nn/parallel/distributed.py).",
              "Look at the first step of each cap in section 4."),
+    Question("A step runs its batch as 4 micro-batches, each with its own forward and backward, under DDP. How many "
+             "times a step does DDP all-reduce the gradients with the first 3 under `with ddp.no_sync():`?",
+             ("4: no_sync only delays them", "Once, in the last micro-batch's backward, on the gradients summed "
+              "over the 4", "Never: the gradients stay on each rank"), 1,
+             "Under no_sync backward only adds the gradients up on the rank; the next backward outside it all-reduces "
+             "the sum: a quarter of the bytes a step, the same gradient.",
+             "What does backward do with a gradient inside no_sync?"),
 ]

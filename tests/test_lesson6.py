@@ -123,23 +123,56 @@ for step in range(STEPS):
 """
 
 
-def test_the_whole_share_at_once_is_a_right_route_too(write_script, given):
-    run, report = judged(write_script, with_hook(with_loop(given[0], WHOLE_SHARE), given[2]))
+# Another right route: the first micro-batch through the wrapped module itself, which DDP's forward never sees, so
+# its backward only accumulates (what no_sync does, by another road).
+FIRST_THROUGH_THE_MODULE = """for step in range(STEPS):
+    inputs, targets = my_batch(step)
+    optimizer.zero_grad()
+    for index, (micro_inputs, micro_targets) in enumerate(zip(inputs.chunk(2), targets.chunk(2))):
+        forward = ddp if index == 1 else ddp.module
+        loss = torch.nn.functional.mse_loss(forward(micro_inputs.to(device)), micro_targets.to(device)) / 2
+        loss.backward()
+    optimizer.step()
+"""
+
+
+@pytest.mark.parametrize("loop", [WHOLE_SHARE, FIRST_THROUGH_THE_MODULE], ids=["whole-share", "first-through-the-module"])
+def test_other_right_routes_pass(write_script, given, loop):
+    run, report = judged(write_script, with_hook(with_loop(given[0], loop), given[2]))
     assert run.ok and report.passed, f"{report}\n{failure_report(run)}"
 
 
-@pytest.mark.parametrize("lever", ["compression only", "no_sync only"])
-def test_one_lever_alone_sends_half_of_the_given_bytes(write_script, given, lever):
-    script = with_hook(given[0], given[2]) if lever == "compression only" else given[1]
+# Wrong: the forward outside no_sync, only the backward inside it: DDP decided in the forward to all-reduce.
+NO_SYNC_AROUND_THE_BACKWARD_ONLY = """import contextlib
+for step in range(STEPS):
+    inputs, targets = my_batch(step)
+    optimizer.zero_grad()
+    for index, (micro_inputs, micro_targets) in enumerate(zip(inputs.chunk(2), targets.chunk(2))):
+        loss = torch.nn.functional.mse_loss(ddp(micro_inputs.to(device)), micro_targets.to(device)) / 2
+        with ddp.no_sync() if index == 0 else contextlib.nullcontext():
+            loss.backward()
+    optimizer.step()
+"""
+
+
+@pytest.mark.parametrize("lever, said", [
+    ("compression only", "60 gradient all-reduces in 30 steps, 2 a step, each carrying 50%"),
+    ("no_sync only", "30 gradient all-reduces in 30 steps, 1 a step, each carrying 100%"),
+    ("no_sync around the backward only, and compression", "60 gradient all-reduces in 30 steps, 2 a step, each carrying 50%"),
+])
+def test_one_lever_alone_sends_half_of_the_given_bytes_and_is_told_which(write_script, given, lever, said):
+    script = {"compression only": with_hook(given[0], given[2]), "no_sync only": given[1],
+              "no_sync around the backward only, and compression": with_hook(
+                  with_loop(given[0], NO_SYNC_AROUND_THE_BACKWARD_ONLY), given[2])}[lever]
     run, report = judged(write_script, script)
     assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
-    assert "50% of the" in str(report) and "over a quarter" in str(report), str(report)
+    assert "50% of the" in str(report) and "over a quarter" in str(report) and said in str(report), str(report)
 
 
 def test_no_sync_on_the_wrong_micro_batch_leaves_the_ranks_apart(write_script, given):
     run, report = judged(write_script, with_hook(with_loop(given[0], NO_SYNC_ON_THE_LAST), given[2]))
     assert run.ok and not report.passed, f"{report}\n{failure_report(run)}"
-    assert "the ranks ended with different weights" in str(report), str(report)
+    assert "the ranks ended with different weights: they stepped on different gradients" in str(report), str(report)
 
 
 POWERSGD = ("from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook\n"
@@ -244,10 +277,10 @@ def test_a_flooded_flight_recorder_is_named_not_trusted(write_script, given):
 
 
 @pytest.mark.parametrize("fix, said", [
-    (POWERSGD.format(options=""), "over a quarter. A step's bytes are"),
+    (POWERSGD.format(options=""), "over a quarter. Rank 0 made 30 gradient all-reduces in 30 steps, 1 a step, each carrying 100%"),
     (FAKE_FP16, "75% of the"),
-    (POWERSGD.format(options=", matrix_approximation_rank=1, start_powerSGD_iter=2"), "hook changed what the model learns"),
-    (DROP_HALF, "hook changed what the model learns"),
+    (POWERSGD.format(options=", matrix_approximation_rank=1, start_powerSGD_iter=2"), "the training changed, not only what was sent"),
+    (DROP_HALF, "the training changed, not only what was sent"),
 ], ids=["powersgd-defaults", "fp16-for-show-float32-gathered", "powersgd-compressing", "drop-half-the-gradient"])
 def test_wrong_fixes_fail(write_script, given, fix, said):
     run, report = judged(write_script, with_hook(given[1], fix))

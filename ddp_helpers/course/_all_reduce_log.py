@@ -186,8 +186,11 @@ def log_ddp_gradients() -> None:
             self._ddp_helpers_logged = True
             for index, parameter in enumerate(p for p in self.module.parameters() if p.requires_grad):
                 parameter.register_hook(functools.partial(_log_ddp_gradient, self, index, parameter))
-        # DDP decides in the forward whether this backward all-reduces (`no_sync` sets the flag False).
-        self._ddp_helpers_syncs = self.require_backward_grad_sync
+        # DDP decides in the forward whether this backward all-reduces (`no_sync` sets the flag False); the flag is
+        # cleared as the backward ends, so a backward with no DDP forward before it (through `ddp.module`) is not logged.
+        import torch
+
+        self._ddp_helpers_syncs = self.require_backward_grad_sync and torch.is_grad_enabled()
         return original(self, *args, **kwargs)
 
     forward.__ddp_helpers_logged__ = True
@@ -195,8 +198,13 @@ def log_ddp_gradients() -> None:
 
 
 def _log_ddp_gradient(ddp, index: int, parameter, gradient) -> None:
-    if not getattr(ddp, "_ddp_helpers_syncs", True):
-        return  # a micro-batch under no_sync: DDP sends nothing of it yet
+    if not getattr(ddp, "_ddp_helpers_syncs", False):
+        return  # a micro-batch under no_sync, or a backward DDP's forward did not prepare: DDP sends nothing of it
+    if not getattr(ddp, "_ddp_helpers_clearing", False):  # the backward's first logged gradient: clear at its end
+        import torch
+
+        ddp._ddp_helpers_clearing = True
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_ended, ddp))
     if parameter.grad is not None:  # the micro-batches before, accumulated: DDP sends their sum with this one
         gradient = parameter.grad + gradient
     if len(other_calls) < MAX_CALLS and not _capturing(gradient):
@@ -205,6 +213,10 @@ def _log_ddp_gradient(ddp, index: int, parameter, gradient) -> None:
         if gradient.numel() <= MAX_VALUES:
             entry["values"] = gradient.detach().cpu().double().flatten().tolist()
         other_calls.append(entry)
+
+
+def _backward_ended(ddp) -> None:
+    ddp._ddp_helpers_syncs = ddp._ddp_helpers_clearing = False
 
 
 def summary() -> list[dict]:

@@ -17,4 +17,18 @@ QUESTIONS = [
              "MASTER_ADDR and MASTER_PORT) in each process's environment, and init_process_group's default env:// "
              "reads them. A script does different work on different ranks only where it branches on its rank.",
              "What did each process get from torchrun before the script's first line ran?"),
+    Question("Two ranks hold [1, 2, 3, 4] and [5, 6, 7, 8]. Each calls dist.reduce_scatter(out, list(t.chunk(2))). "
+             "What does rank 1's out hold?",
+             ("[6, 8]", "[10, 12]", "[5, 6, 7, 8]"), 1,
+             "The sum over the ranks of each chunk i lands on rank i: rank 1 gets [3 + 7, 4 + 8]. All-gathering the "
+             "pieces then gives every rank the whole sum: an all-reduce.",
+             "Which chunk is rank 1's piece, and what is combined over the ranks?"),
+    Question("On nccl, `work = dist.all_reduce(t, async_op=True); work.wait(); start = time.perf_counter()`. "
+             "When has the sum arrived in t?",
+             ("When wait() returns: it blocks until the data is there",
+              "When the GPU has run it: wait() only makes the GPU's stream wait",
+              "Never: with async_op the result goes to a callback"), 1,
+             "On nccl wait() returns at once, having queued the wait on the GPU's current stream; the next kernels "
+             "see the sum, the host only after synchronising. On gloo wait() does return once the data is there.",
+             "What does Work.wait's docstring say it does on nccl?"),
 ]

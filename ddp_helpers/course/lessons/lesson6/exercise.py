@@ -240,10 +240,13 @@ def _judge_bytes(run: RunResult, report: ExerciseReport) -> bool:
         return False
     given = MICRO_BATCHES * full  # float32 gradients, all-reduced once per micro-batch
     if per_step > given / 4:
+        calls = len(gradients[0])
+        carried = sum(gradients[0]) / calls / full  # of a float32 all-reduce of every gradient
         report.mistakes.append(
             f"each step sent {per_step:,.0f} bytes on average, {per_step / given:.0%} of the {given:,} the script as "
-            f"given sends ({MICRO_BATCHES} all-reduces of every float32 gradient): over a quarter. A step's bytes are "
-            "how many all-reduces it makes times the bytes each carries, and this lesson's section 5 has a lever for each")
+            f"given sends ({MICRO_BATCHES} all-reduces of every float32 gradient): over a quarter. Rank 0 made "
+            f"{calls} gradient all-reduces in {STEPS} steps, {calls / STEPS:g} a step, each carrying {carried:.0%} "
+            "of the float32 gradients' bytes: a step's bytes are the one times the other")
         return False
     if per_step < given / 8:
         report.mistakes.append(f"each step sent only {per_step:,.0f} bytes, {per_step / given:.0%} of the script as "
@@ -261,8 +264,9 @@ def _judge_weights(run: RunResult, report: ExerciseReport, secrets: list[int], w
 
     weights = [[w.cpu().float() for w in r.facts["weights"]] for r in run.ranks]
     if any(len(w) != len(weights[0]) or any(not torch.equal(a, b) for a, b in zip(w, weights[0])) for w in weights):
-        report.mistakes.append("the ranks ended with different weights: every rank must apply the same averaged "
-                               "gradient (a hook must return the same values on every rank)")
+        report.mistakes.append("the ranks ended with different weights: they stepped on different gradients. Every "
+                               "rank must step on the same averaged gradient: nothing of its own may be added after "
+                               "a step's last all-reduce, and a hook must return the same values on every rank")
         return
     report.confirmed.append("every rank ended with bitwise the same weights")
     reference = exercise_reference(secrets)
@@ -274,8 +278,9 @@ def _judge_weights(run: RunResult, report: ExerciseReport, secrets: list[int], w
     if off > WEIGHT_TOLERANCE * moved:
         report.mistakes.append(
             f"the weights are {off / moved:.1%} of the training's distance away from the uncompressed training's "
-            f"(allowed: {WEIGHT_TOLERANCE:.0%}): the hook changed what the model learns, not only how it is sent. "
-            "Low-rank compression (PowerSGD) approximates each gradient; rounding to 16 bits only rounds it")
+            f"(allowed: {WEIGHT_TOLERANCE:.0%}): the training changed, not only what was sent. A lossy compression "
+            "(PowerSGD's low-rank approximation) changes each gradient, and so does a micro-batch's loss counted "
+            "twice or left out; rounding to 16 bits only rounds it")
     elif within_budget and (off32 := min(off, distance(weights[0], float32_average_reference(secrets)))) \
             < ROUNDING_AT_LEAST * moved:
         report.mistakes.append(

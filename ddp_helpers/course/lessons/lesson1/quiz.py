@@ -18,4 +18,11 @@ QUESTIONS = [
              1,
              "Each stage keeps its own layers; only the activation goes forward and its gradient comes back.",
              "Compare the bytes sent for the small and the big model."),
+    Question("A model, its gradients and Adam's state need 3 times one GPU's memory; the job has 8 GPUs in one "
+             "machine. What do you reach for first?",
+             ("Pipeline parallelism: 8 stages of the model", "Sharded data parallelism: FSDP or ZeRO",
+              "Tensor parallelism: every layer split 8 ways"), 1,
+             "Data parallelism stays the simplest program; sharding its state divides the memory by the ranks for "
+             "about 1.5 times the bytes. Split the model itself only when that is not enough.",
+             "Which choice keeps the training script as it is?"),
 ]

@@ -57,6 +57,22 @@ def test_buckets_never_over_the_cap_pass_too(write_script, given):
     assert "never-over-the-cap rule" in str(report)
 
 
+# As DDP does: the backward's first gradient queues the end of the backward on the autograd engine, which waits for every
+# bucket and copies the averages back, so backward() returns with them; the loop's own call then finds nothing left.
+WAIT_QUEUED_ON_THE_ENGINE = ("""        if self.ready[id(bucket)] == len(bucket):  # the bucket's last gradient: send it now""",
+                             """        if not getattr(self, "queued", False):  # the backward's first gradient: its end waits
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: (self.finish_gradient_synchronization(), setattr(self, "queued", False)))
+        if self.ready[id(bucket)] == len(bucket):  # the bucket's last gradient: send it now""")
+
+
+def test_the_wait_queued_on_the_autograd_engine_passes(write_script, given):
+    assert WAIT_QUEUED_ON_THE_ENGINE[0] in given[1]
+    report = judged(write_script, given, given[1].replace(*WAIT_QUEUED_ON_THE_ENGINE))
+    assert report.passed, str(report)
+
+
 def test_an_all_reduce_then_divide_route_passes(write_script, given):
     solution = given[1].replace(
         "flat = torch.cat([p.grad.flatten() for p in bucket]) / dist.get_world_size()",

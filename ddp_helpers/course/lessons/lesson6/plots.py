@@ -178,21 +178,21 @@ def plot_trace(spans, step_ms: float, title: str = "One DDP step in torch's prof
     return fig
 
 
-def plot_link_timeline(spans: dict[str, list], computation_s: float, totals_s: dict[str, float],
-                       title: str = "One backward, rank 0: when each bucket was on the link"):
-    """Per way of sending (a row each): each bucket's time on the simulated link as a bar, from the backward's
-    start; the backward's computation alone as a shaded span, and each way's whole time as a tick."""
-    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.8 * len(spans)))
-    for row, (name, buckets) in enumerate(spans.items()):
-        ax.barh(row, computation_s * 1e3, height=0.7, color=series_color(0), alpha=0.2,
-                label="the backward's computation (alone)" if row == 0 else None)
-        for index, (start, end) in enumerate(buckets):
-            ax.barh(row, (end - start) * 1e3, left=start * 1e3, height=0.35, color=series_color(1),
+def plot_link_timeline(ways: dict[str, dict], title: str = "One backward on rank 0 (its last repetition): the link's buckets"):
+    """Per way of sending (a row each, {"computed", "total", "on_the_link": [(from, to), ...]} in seconds from the
+    backward's start): the backward's computation as a shaded span, each bucket's time on the simulated link as a
+    bar, and a tick where the averaged gradients were ready."""
+    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.8 * len(ways)))
+    for row, (name, way) in enumerate(ways.items()):
+        ax.barh(row, way["computed"] * 1e3, height=0.7, color=series_color(3), alpha=0.25,
+                label="the backward computing" if row == 0 else None)
+        for index, (start, end) in enumerate(way["on_the_link"]):
+            ax.barh(row, (end - start) * 1e3, left=start * 1e3, height=0.35, color=series_color(2),
                     edgecolor="white", label="a bucket on the link" if row == 0 and index == 0 else None)
-        ax.plot([totals_s[name] * 1e3] * 2, [row - 0.4, row + 0.4], color="black", linewidth=2,
-                label="averaged gradients ready (median)" if row == 0 else None)
-    ax.set_yticks(range(len(spans)), list(spans))
-    ax.set_ylim(len(spans) - 0.5, -0.8)
+        ax.plot([way["total"] * 1e3] * 2, [row - 0.4, row + 0.4], color="black", linewidth=2,
+                label="the averaged gradients ready" if row == 0 else None)
+    ax.set_yticks(range(len(ways)), list(ways))
+    ax.set_ylim(len(ways) - 0.5, -0.9)
     ax.set_xlabel("ms from the start of the backward")
     ax.legend(fontsize=7, frameon=False, loc="upper right", ncols=3)
     ax.set_title(title, fontsize=10, loc="left")

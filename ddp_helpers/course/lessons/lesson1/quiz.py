@@ -23,6 +23,6 @@ QUESTIONS = [
              ("Pipeline parallelism: 8 stages of the model", "Sharded data parallelism: FSDP or ZeRO",
               "Tensor parallelism: every layer split 8 ways"), 1,
              "Data parallelism stays the simplest program; sharding its state divides the memory by the ranks for "
-             "about 1.5 times the bytes. Split the model itself only when that is not enough.",
+             "1 to 1.5 times the bytes. Split the model itself only when that is not enough.",
              "Which choice keeps the training script as it is?"),
 ]

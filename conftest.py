@@ -86,17 +86,41 @@ def pytest_ignore_collect(collection_path, config):
 
 # pytest-xdist (-n 3 --dist loadgroup): tests in one group run one after another on one worker. A
 # notebook run keeps both cores busy for up to a minute, and the lessons time what they show: no more
-# than two run at once. The browser test runs the even lessons on one worker and the odd ones on another
-# (a JupyterLab each), while the third worker takes the rest; notebooks under nbmake (`--nbmake
-# notebooks/`) go one after another. The Slurm tests share one cluster.
+# than two run at once. The browser test runs the notebooks on two workers (a JupyterLab each), split so
+# that the two chains take about as long, by the times the lessons' manifests give; the third worker takes
+# the rest. Notebooks under nbmake (`--nbmake notebooks/`) go one after another. The Slurm tests share one
+# cluster.
 SERIAL_GROUPS = {"test_slurm.py": "slurm"}
-CHAINS_FIRST = ("browser-even", "browser-odd", "nbmake")  # the longest chains start first
+BROWSER_CHAINS = ("browser-1", "browser-2")
+CHAINS_FIRST = (*BROWSER_CHAINS, "nbmake")  # the longest chains start first
+
+
+def _seconds(time: str) -> float:
+    """A manifest's nbmake time ("35 s", "about 105 s", "14–18 s") in seconds, its first number."""
+    import re
+
+    found = re.search(r"\d+", time)
+    return float(found.group()) if found else 30.0
+
+
+def _balanced_chains() -> dict[str, str]:
+    """{notebook: chain}: the longest notebooks first, each to the chain that has the less time so far."""
+    load = dict.fromkeys(BROWSER_CHAINS, 0.0)
+    chains = {}
+    for lesson in sorted(lessons().values(), key=lambda lesson: -_seconds(lesson.time)):
+        chain = min(load, key=load.get)
+        chains[lesson.notebook] = chain
+        load[chain] += _seconds(lesson.time) + 10  # each notebook's own JupyterLab tab and kernel start
+    return chains
 
 
 def _browser_chain(item) -> str:
     notebook = getattr(item, "callspec", None) and item.callspec.params.get("notebook")
-    # The test that JupyterLab shuts down cleanly has no notebook: it runs last on the odd chain.
-    return "browser-even" if notebook is not None and int(notebook.name[:2]) % 2 == 0 else "browser-odd"
+    # The test that JupyterLab shuts down cleanly has no notebook: it runs last on the second chain. A notebook
+    # no manifest names (a test's own) goes by its number's parity.
+    if notebook is None:
+        return BROWSER_CHAINS[1]
+    return _balanced_chains().get(notebook.name, BROWSER_CHAINS[int(notebook.name[:2]) % 2])
 
 
 # The quick inner loop, `scripts/run_tests.sh -m "not slow"`, leaves these out: whole notebooks, the

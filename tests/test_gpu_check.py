@@ -3,6 +3,7 @@ its CPU fallback (it says there is no GPU and what it would run), its wheel bund
 install offline), and its checks' own logic run on gloo, so that a check that cannot fail, or that fails for
 a reason of its own, is found before anyone spends GPU time on it."""
 
+import json
 import importlib.util
 import os
 import subprocess
@@ -97,9 +98,10 @@ def test_one_gpus_cells_run_at_world_one(check, ipython):
     # Lesson 0's %%torchrun cells, each at world 1 (the backend here: gloo). Lesson 1's model-parallel cells
     # need 2 ranks: on gloo they are failures, which on a GPU would be told apart by running them on gloo.
     # In the session's IPython shell: IPython allows one kind of shell per process (test_magic's, here).
-    ran, failures, need_two = check.run_cells_at_world_one(ROOT / "notebooks" / "00_check_setup.ipynb", backend="gloo",
-                                                           shell=ipython)
-    assert ran == 2 and failures == [] and need_two == [], failures
+    notebook = ROOT / "notebooks" / "00_check_setup.ipynb"
+    ran, failures, need_two = check.run_cells_at_world_one(notebook, backend="gloo", shell=ipython)
+    cells = [c for c in json.loads(notebook.read_text())["cells"] if "".join(c["source"]).startswith("%%torchrun")]
+    assert ran == len(cells) >= 3 and failures == [] and need_two == [], failures  # hello, collectives, exercise
 
 
 @pytest.mark.slow

@@ -155,13 +155,13 @@ for step in range(STEPS):
 """
 
 
+# `no_sync` alone (one float32 all-reduce a step) is judged as PowerSGD with its defaults is, below: the same bytes.
 @pytest.mark.parametrize("lever, said", [
     ("compression only", "60 gradient all-reduces in 30 steps, 2 a step, each carrying 50%"),
-    ("no_sync only", "30 gradient all-reduces in 30 steps, 1 a step, each carrying 100%"),
     ("no_sync around the backward only, and compression", "60 gradient all-reduces in 30 steps, 2 a step, each carrying 50%"),
 ])
 def test_one_lever_alone_sends_half_of_the_given_bytes_and_is_told_which(write_script, given, lever, said):
-    script = {"compression only": with_hook(given[0], given[2]), "no_sync only": given[1],
+    script = {"compression only": with_hook(given[0], given[2]),
               "no_sync around the backward only, and compression": with_hook(
                   with_loop(given[0], NO_SYNC_AROUND_THE_BACKWARD_ONLY), given[2])}[lever]
     run, report = judged(write_script, script)

@@ -84,11 +84,12 @@ def pytest_ignore_collect(collection_path, config):
             return True
     return None
 
-# pytest-xdist (-n 4 --dist loadgroup): tests in one group run one after another on one worker. A
+# pytest-xdist (-n 3 --dist loadgroup): tests in one group run one after another on one worker. A
 # notebook run keeps both cores busy for up to a minute, and the lessons time what they show: no more
 # than two run at once. The browser test runs the notebooks on two workers (a JupyterLab each), split so
-# that the two chains take about as long, by the times the lessons' manifests give; the other two workers
-# take the rest, whose many waits (Slurm's queue, timeouts, restarts) leave cores free for one another. Notebooks under nbmake (`--nbmake notebooks/`) go one after another. The Slurm tests share one
+# that the two chains take about as long, by the times the lessons' manifests give; the third worker takes
+# the rest (a fourth gained nothing on 2026-12-06: 834 s of pytest with 3 workers and with 4, the suite being
+# CPU-bound). Notebooks under nbmake (`--nbmake notebooks/`) go one after another. The Slurm tests share one
 # cluster.
 SERIAL_GROUPS = {"test_slurm.py": "slurm"}
 BROWSER_CHAINS = ("browser-1", "browser-2")

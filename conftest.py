@@ -3,6 +3,7 @@ tests run, which tests run one after another under pytest-xdist, and which the q
 out. Fixtures are in tests/conftest.py."""
 
 import atexit
+import functools
 import os
 import shutil
 import subprocess
@@ -104,6 +105,7 @@ def _seconds(time: str) -> float:
     return float(found.group()) if found else 30.0
 
 
+@functools.cache  # read once, not for each of the browser test's items
 def _balanced_chains() -> dict[str, str]:
     """{notebook: chain}: the longest notebooks first, each to the chain that has the less time so far."""
     load = dict.fromkeys(BROWSER_CHAINS, 0.0)

@@ -46,18 +46,20 @@ def available_lessons(folder: Path | None = None) -> dict[str, Path]:
 
 #: an instructor's own lesson: `07_name.ipynb`, or a deep dive `07b_name.ipynb`
 OWN_NOTEBOOK = re.compile(r"(\d\d)([a-z]?)_.+\.ipynb")
+#: a lesson's key as typed: "2", "02", a deep dive "2b" or "02b"
+KEY = re.compile(r"(\d{1,2})([a-z]?)")
 
 
 def _order(key: str) -> tuple[int, str]:
-    digits = key.rstrip("abcdefghijklmnopqrstuvwxyz")
-    return int(digits), key[len(digits):]
+    number, part = KEY.fullmatch(key).groups()
+    return int(number), part
 
 
 def find_lesson(argument: str, folder: Path | None = None) -> Path:
     """The notebook of lesson `argument` ("2" or "02", a deep dive "2b" or "02b"), or SystemExit listing the lessons
     there are."""
     lessons = available_lessons(folder)
-    match = re.fullmatch(r"(\d{1,2})([a-z]?)", argument.strip().lower())
+    match = KEY.fullmatch(argument.strip().lower())
     key = match and f"{int(match.group(1))}{match.group(2)}"
     if key in lessons:
         return lessons[key]

@@ -2,21 +2,25 @@
 checker.
 
 The exercise is a training script that snapshots after every step and resumes from its snapshot when
-torchrun restarts it; it is run with rank 1 killed after step 5 and one restart allowed. As given, it
-resumes at the step it had already done, and it does not bring back each rank's random state (its
-dropout masks). The checker trusts nothing the script says about itself: it reads the steps each
-attempt printed (as the launcher saw them) and holds the attempt after the restart to the gradient
-all-reduces torch's flight recorder saw it make (one step's worth per printed step: a restart that trains
-from step 0 again and hides the lines it printed before does not pass), runs its own copy of the exercise as given (the same model,
-data and seeds: `lesson4_reference.py`) without a kill at the same world size and backend, and compares
+torchrun restarts it; it is run with rank 1 killed after step 5 and one restart allowed. It is not the
+lesson's resilient training: two things decide its steps that no `state_dict` and no global random
+state hold, and as given it saves neither (each rank's own `torch.Generator` for its input noise, and
+a running average of the gradient's norm, a Python number, that the clipping reads). Copying the
+lesson's recipe does not fix it; applying its rule does.
+
+The checker trusts nothing the script says about itself: it reads the steps each attempt printed (as the
+launcher saw them) and holds the attempt after the restart to the gradient all-reduces torch's flight
+recorder saw it make (one step's worth per printed step: a restart that trains from step 0 again and hides
+the lines it printed before does not pass), runs its own copy of the exercise as given (the same model,
+data, noise and clipping: `reference.py`) without a kill at the same world size and backend, and compares
 the final snapshots bitwise: the weights and the optimizer's momentum. So a "fix" that changes the
-model or its randomness (reseeding every step, dropping dropout, one random stream for every rank)
-fails, and so does one that restores only the CPU's random state on GPU ranks. Each rank seeds its dropout
-with its secret (`ddp_helpers.rank_secret`, the same after a restart), which the reference run is handed
-rank by rank: no rank can rebuild another rank's random state, it must be brought back from the snapshot. And
-what crossed between the ranks must be seen crossing: the other ranks' random states in rank 0's snapshot must each
-have been handed to a collective (the launcher digests the byte tensors a rank hands one); a rank keeping its own
-state in its own file moves nothing between ranks, and is asked for nothing.
+training itself (reseeding every step, no noise, no clipping, one noise stream for every rank) fails.
+Each rank seeds its noise with its secret (`ddp_helpers.rank_secret`, the same after a restart), which the
+reference run is handed rank by rank: no rank can rebuild another rank's generator, it must be brought
+back from a snapshot. What crossed between the ranks must be seen crossing: the other ranks' random states
+in rank 0's snapshot must each have been handed to a collective (the launcher digests the byte tensors a
+rank hands one); a rank keeping its own state in its own file moves nothing between ranks, and is asked
+for nothing. The hints read the run: where each rank's generator ended, against the reference's.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ def _all_reduces(collectives, shapes: set[str] | None = None) -> list[str]:
 
 def _reference(run: RunResult, secrets: list[int]) -> tuple[list[int], dict, set[str], int]:
     """The checker's own run of the exercise as given, without a kill, at `run`'s world size and backend, each
-    rank's dropout seeded with the secret of `run`'s rank of the same number."""
+    rank's noise seeded with the secret of `run`'s rank of the same number."""
     from .... import run_script
 
     key = (run.config.world_size, run.backend, tuple(secrets))  # one agent of world-size ranks: as --nnodes N
@@ -104,7 +108,7 @@ def _reference(run: RunResult, secrets: list[int]) -> tuple[list[int], dict, set
         try:
             reference = run_script(REFERENCE_SCRIPT, nproc=key[0], backend=key[1], stream=False,
                                    timeout_s=max(run.config.timeout_s, 60), run_dir=scratch / "run",
-                                   extra_env={"DDP_LESSONS_DROPOUT_SEEDS": ",".join(map(str, secrets))})
+                                   extra_env={"DDP_LESSONS_NOISE_SEEDS": ",".join(map(str, secrets))})
             reference.raise_for_failure()  # the checker's own script: a failure here is not the learner's
             snapshot = _final_snapshot(reference)
             gradient_all_reduces = _all_reduces(records(reference)[0].collectives)  # read before the folder goes
@@ -179,17 +183,26 @@ def _judge_snapshots(mine: dict | None, theirs: dict, report: ExerciseReport) ->
                                                  or not torch.equal(mine["model"][name].cpu(), value))]
     if set(mine["model"]) != set(theirs["model"]) or differences:
         largest = max((d for _, d in differences), default=float("nan"))
-        shared = _ranks_share_one_random_state(mine)
+        states = _random_states(mine)
+        shared = len(states) >= 2 and all(torch.equal(states[0], state) for state in states[1:])
+        ended_right = _noise_ended_as_without_a_kill(states, theirs.get("noise") or [])
         report.mistakes.append(
             f"killed and restarted, the training ended with other weights than the exercise's training without a "
             f"kill (up to {largest:.1e} apart): after the restart the ranks did not go on exactly as they would "
             "have. " + (
-                f"The {shared} random states in your last snapshot are all the same: every rank drew the same "
-                "dropout masks (rank 0's state restored on every rank, or one seed for all). Each rank has its own "
-                "stream: restore this rank's own entry, e.g. snapshot[...][rank]."
+                f"The {len(states)} random states in your last snapshot are all the same: every rank drew the same "
+                "noise (one rank's state restored on every rank, or one seed for all), where each rank has a "
+                "stream of its own."
                 if shared else
-                "Besides the weights and the optimizer, what else decides what a step computes?"
-            ) + " (The model, the data and the seeds must stay as given.)"
+                "Each rank's noise generator ended where it does without a kill (every rank's noise generator is "
+                "in the snapshot), so the noise came back; something else a step reads did not."
+                if ended_right else
+                f"Your snapshot holds {len(states)} random state(s), and none is where a rank's noise generator "
+                "ends without a kill: is each the state of the generator the noise is drawn from?"
+                if states else
+                "Besides the weights, the optimizer and the step, what else decides what a step after the restart "
+                "computes? Read this script's loop line by line."
+            ) + " (Keep the model, the data, the noise, the clipping and the seeds as given)"
         )
         return
     report.confirmed.append("the final weights are bitwise those of the exercise's training without a kill")
@@ -204,10 +217,9 @@ def _judge_snapshots(mine: dict | None, theirs: dict, report: ExerciseReport) ->
         report.confirmed.append("and so is the optimizer's momentum")
 
 
-def _ranks_share_one_random_state(snapshot: dict) -> int:
-    """How many CPU random states (torch.get_rng_state()'s bytes, wherever the learner put them) the
-    snapshot holds, when there are several and all are equal; else 0. The exercise seeds each rank
-    differently, so equal states mean the ranks drew the same numbers."""
+def _random_states(snapshot: dict) -> list:
+    """The random states (byte tensors the size of a CPU generator's state, wherever the learner put them) in
+    the snapshot, beside the model and the optimizer."""
     import torch
 
     size = torch.get_rng_state().numel()
@@ -225,7 +237,16 @@ def _ranks_share_one_random_state(snapshot: dict) -> int:
                 walk(item)
 
     walk({key: value for key, value in snapshot.items() if key not in ("model", "optimizer")})
-    return len(found) if len(found) >= 2 and all(torch.equal(found[0], state) for state in found[1:]) else 0
+    return found
+
+
+def _noise_ended_as_without_a_kill(states: list, reference_states: list) -> bool:
+    """Whether every rank's noise generator, as it ended in the checker's run without a kill, is among the
+    snapshot's random states: the noise was brought back right. (The exercise seeds each rank differently.)"""
+    import torch
+
+    return bool(reference_states) and all(any(torch.equal(state, mine) for mine in states)
+                                          for state in reference_states)
 
 
 def _momentum(snapshot: dict) -> list | None:

@@ -16,11 +16,14 @@ QUESTIONS = [
               "The job ends"), 1,
              "torchrun restarts the whole worker group; the script must resume from its snapshot.",
              "Look at where the second attempt of rank 0 began."),
-    Question("A restarted job resumes from the right step but ends with slightly different weights. The likely cause?",
-             ("The optimizer state was not saved", "Each rank's random state (dropout) was not restored",
-              "The learning rate was too high"), 1,
-             "The step's randomness (dropout masks, augmentation) comes from each rank's generator: save and restore it per rank.",
-             "What else, besides weights and optimizer, decides what a step computes?"),
+    Question("A snapshot saves each rank's torch.get_rng_state() and the resume restores it. After a restart, which "
+             "randomness still differs from a run without one?",
+             ("Dropout masks", "Noise drawn with torch.randn(..., generator=g), g a torch.Generator the script made",
+              "Nothing: every torch random number comes from that state"), 1,
+             "torch.get_rng_state() is the global CPU generator's state, which dropout and torch.randn without a generator "
+             "draw from. A Generator the script made has a state of its own (g.get_state()): save and restore it too, "
+             "per rank, as every generator a step draws from (CUDA's, numpy's, Python's random).",
+             "Which generator does each line draw from?"),
     Question("Why --rdzv-id $SLURM_JOB_ID?",
              ("It sets the master port", "It keeps two jobs' agents from joining each other", "It is required by srun"), 1,
              "Agents meet by endpoint and id: a unique id per job means one job's agents never join another's.",

@@ -65,6 +65,8 @@ import json
 import os
 import re
 import shutil
+import stat
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -120,15 +122,52 @@ OUTPUT_KEEP_BYTES = 1 << 20
 
 
 def runs_root() -> Path:
-    """Where generated scripts and run folders go: $DDP_HELPERS_RUNS if set, else `runs/` in the project
-    (or in the current folder when ddp_helpers is installed elsewhere)."""
+    """Where generated scripts and run folders go: $DDP_HELPERS_RUNS if set; else `runs/` in the project (or in
+    the current folder when ddp_helpers is installed elsewhere) when that is the user's own to make or use;
+    else, as on a shared install the user cannot write (a workshop's course, an administrator's environment),
+    a folder in the user's own cache, `${XDG_CACHE_HOME:-~/.cache}/ddp-helpers/runs`, said once per process.
+    With none of those (no home of the user's own), the project's: the launch then refuses it and says to set
+    $DDP_HELPERS_RUNS (`private_folders`)."""
     if os.environ.get("DDP_HELPERS_RUNS"):
         # Not resolved: a symbolic link placed there is refused by the launch (`private_folders`), not followed.
         return Path(os.path.abspath(Path(os.environ["DDP_HELPERS_RUNS"]).expanduser()))
     project = Path(__file__).resolve().parent.parent
-    if (project / "pyproject.toml").is_file():
-        return project / "runs"
-    return Path.cwd() / "runs"
+    beside = project / "runs" if (project / "pyproject.toml").is_file() else Path.cwd() / "runs"
+    if _the_users_own(beside) or (not os.path.lexists(beside) and _the_users_own(beside.parent)):
+        return beside
+    cache = _users_cache()
+    if cache is None:
+        return beside
+    root = cache / "ddp-helpers" / "runs"
+    global _said_where
+    if not _said_where:
+        _said_where = True
+        print(f"[ddp_helpers] runs go to {root}: {beside} is not yours to write (set DDP_HELPERS_RUNS to choose)",
+              file=sys.stderr, flush=True)
+    return root
+
+
+_said_where = False
+
+
+def _the_users_own(path: Path) -> bool:
+    """Whether `path` is a real folder (not a link) that belongs to the user running this."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
+
+
+def _users_cache() -> Path | None:
+    """$XDG_CACHE_HOME if it is the user's own, else ~/.cache in a home of the user's own; None without either."""
+    configured = os.environ.get("XDG_CACHE_HOME")
+    if configured and os.path.isabs(configured) and _the_users_own(Path(configured)):
+        return Path(configured)
+    home = Path(os.path.expanduser("~"))
+    if home.is_absolute() and _the_users_own(home):
+        return home / ".cache"
+    return None
 
 
 def demo_jobs_root() -> Path:

@@ -267,14 +267,14 @@ def python_for_others() -> tuple[str, dict[str, str]]:
     return str(system), {"PYTHONPATH": os.pathsep.join([str(packages), *site.getsitepackages()])}
 
 
-@needs_root
-def test_a_read_only_install_says_to_set_the_runs_folder(other_user, shared_folder):
-    """The course installed by an administrator (the learner cannot write its runs/): one clear error."""
+def _run_a_cell_as(user: pwd.struct_passwd, folder: Path, extra_env: dict[str, str] | None = None) -> str:
+    """Run CELL in an IPython shell of `user`, with ddp_helpers imported from this project (which belongs to
+    this test's user: a shared install the other user cannot write); returns what the shell printed."""
     project = Path(__file__).resolve().parent.parent
     if not _readable_by_others(project):
         pytest.skip("the project is not readable by other users here")
     python, env = python_for_others()
-    program = shared_folder / "cell.py"
+    program = folder / "cell.py"
     program.write_text(textwrap.dedent(
         f'''
         import sys
@@ -285,8 +285,41 @@ def test_a_read_only_install_says_to_set_the_runs_folder(other_user, shared_fold
         shell.run_cell({CELL!r})
         '''))
     program.chmod(0o644)
-    shell = as_user(other_user, [python, str(program)], cwd=shared_folder, extra_env=env)
-    output = shell.communicate(timeout=120)[0]
+    shell = as_user(user, [python, str(program)], cwd=folder, extra_env={**env, **(extra_env or {})})
+    return shell.communicate(timeout=120)[0]
+
+
+@needs_root
+def test_a_read_only_install_runs_a_learners_cells_in_their_own_cache(other_user, shared_folder):
+    """The course installed by an administrator (the learner cannot write its runs/), no DDP_HELPERS_RUNS: the
+    learner's cells run, their files in a folder of their own under their home, said once; nothing is written
+    into the install, and none of the learner's processes is left."""
+    home = Path(tempfile.mkdtemp(prefix="ddp-lessons-home-"))
+    try:
+        os.chown(home, other_user.pw_uid, other_user.pw_gid)
+        home.chmod(0o700)
+        project_runs = Path(__file__).resolve().parent.parent / "runs"
+        before = sorted(project_runs.rglob("*")) if project_runs.exists() else []
+        output = _run_a_cell_as(other_user, shared_folder, {"HOME": str(home)})
+        root = home / ".cache" / "ddp-helpers" / "runs"
+        assert "rank 0" in output and "rank 1" in output and "Traceback" not in output, output
+        assert output.count(f"runs go to {root}") == 1, output
+        made = [root, *root.rglob("*")]
+        assert len(made) > 3 and all(p.lstat().st_uid == other_user.pw_uid for p in made), made
+        assert all(p.lstat().st_mode & 0o077 == 0 for p in made if p.is_dir()), "the learner's folders are theirs alone"
+        assert (sorted(project_runs.rglob("*")) if project_runs.exists() else []) == before
+        left = subprocess.run(["pgrep", "-u", str(other_user.pw_uid)], capture_output=True, text=True).stdout.split()
+        assert not left, f"processes of the learner left running: {left}"
+    finally:
+        subprocess.run(["pkill", "-9", "-u", str(other_user.pw_uid)], check=False)
+        subprocess.run(["rm", "-rf", str(home)], check=False)
+
+
+@needs_root
+def test_a_read_only_install_for_a_user_with_no_home_says_to_set_the_runs_folder(other_user, shared_folder):
+    """The same install for a user with no home of their own (HOME=/tmp): nowhere private to default to, so one
+    clear error that says what to set."""
+    output = _run_a_cell_as(other_user, shared_folder)
     assert "DDP_HELPERS_RUNS" in output and "Traceback" not in output and "PermissionError" not in output, output
     assert len(output.strip().splitlines()) <= 3, output
 

@@ -10,6 +10,7 @@ is then empty.
     rankN.all_reduced.json       what its script handed to all_reduce and to the collectives that move its data
     rankN.collectives.json       its collectives, as torch's flight recorder held them at the end
     rankN.channel_bytes.json     what its store and point-to-point calls moved
+    rankN.held.json              what its tensors held after each optimizer step (`_held_memory`; lesson 3)
     rankN.secret                 a number only rank N's process is handed, drawn at its first attempt: an
                                  exercise's data comes from it (`ddp_helpers.rank_secret`), and its checker reads it
 
@@ -25,10 +26,10 @@ from dataclasses import dataclass, field
 
 from ..run_folder import RunFolder, append_line, register_rank_records
 
-_WRITES, _P2P, _ALL_REDUCED, _COLLECTIVES, _CHANNEL_BYTES = (
-    "writes.json", "p2p.json", "all_reduced.json", "collectives.json", "channel_bytes.json")
+_WRITES, _P2P, _ALL_REDUCED, _COLLECTIVES, _CHANNEL_BYTES, _HELD = (
+    "writes.json", "p2p.json", "all_reduced.json", "collectives.json", "channel_bytes.json", "held.json")
 _CROSSINGS, _SECRET = "crossings", "secret"
-register_rank_records(_WRITES, _P2P, _ALL_REDUCED, _COLLECTIVES, _CHANNEL_BYTES, _CROSSINGS, _SECRET)
+register_rank_records(_WRITES, _P2P, _ALL_REDUCED, _COLLECTIVES, _CHANNEL_BYTES, _HELD, _CROSSINGS, _SECRET)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class RankRecords:
             (its last 2000): {"number" (in its group), "op", "shapes", "dtypes", "group", "started_ns"}.
         channel_bytes: what its script moved where the flight recorder does not look: {"sent_bytes",
             "received_bytes"} of point-to-point calls, {"store_calls", "store_bytes"} of key-value store calls.
+        held_after_steps: after each optimizer step its script made (once something asked for the measurement:
+            lesson 3's `my_batch`), the bytes its tensors held: {"parameters", "gradients", "optimizer_state",
+            "other"} (`_held_memory`); empty if not measured or the rank did not end normally.
         crossings: what its script did to other ranks' files in the run folder (their secrets, outputs, facts), or
             to its own secret: "opened", "changed", "linked to"... and the file's name there. Kept however the
             rank ended.
@@ -64,6 +68,7 @@ class RankRecords:
     handed_to_collectives: tuple[dict, ...] = ()
     collectives: tuple[dict, ...] = ()
     channel_bytes: dict = field(default_factory=dict)
+    held_after_steps: tuple[dict, ...] = ()
     crossings: tuple[str, ...] = ()
     secret: int | None = None
 
@@ -92,13 +97,14 @@ def note_crossing(folder: RunFolder, rank: int, name: str, how: str) -> None:
 
 
 def write(folder: RunFolder, rank: int, *, files_written, point_to_point, all_reduced, collectives,
-          channel_bytes: dict) -> None:
+          channel_bytes: dict, held_after_steps=()) -> None:
     """What the rank's script did, written as it ended."""
     folder.write_json(folder.rank_record(rank, _WRITES), {"rank": rank, "files": sorted(files_written)})
     folder.write_json(folder.rank_record(rank, _P2P), {"rank": rank, "calls": list(point_to_point)})
     folder.write_json(folder.rank_record(rank, _ALL_REDUCED), {"rank": rank, "calls": list(all_reduced)})
     folder.write_json(folder.rank_record(rank, _COLLECTIVES), {"rank": rank, "calls": list(collectives)})
     folder.write_json(folder.rank_record(rank, _CHANNEL_BYTES), {"rank": rank, "totals": dict(channel_bytes)})
+    folder.write_json(folder.rank_record(rank, _HELD), {"rank": rank, "calls": list(held_after_steps)})
 
 
 # ---- read back (checkers, lessons) ----------------------------------------------------------------------------
@@ -133,7 +139,7 @@ def read(folder: RunFolder, rank: int) -> RankRecords:
         all_reduced=tuple(call for call in handed if "collective" not in call),
         handed_to_collectives=tuple({"collective": "all_reduce", **call} if "collective" not in call else call
                                     for call in handed),
-        collectives=calls(_COLLECTIVES), crossings=read_crossings(folder, rank), secret=read_secret(folder, rank),
+        collectives=calls(_COLLECTIVES), held_after_steps=calls(_HELD), crossings=read_crossings(folder, rank), secret=read_secret(folder, rank),
         channel_bytes=dict((folder.read_own_json(folder.rank_record(rank, _CHANNEL_BYTES)) or {}).get("totals", {})))
 
 

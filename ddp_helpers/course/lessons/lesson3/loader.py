@@ -3,7 +3,7 @@ size would: the exercise's model sharded with FSDP2 for *this* world, Adam, then
 checkpoint's pieces this rank needs (the lesson's own loading recipe: `get_state_dict`, `dcp.load`,
 `set_state_dict`). It records the whole parameters, Adam's moments and step for the checker.
 
-Where each part is comes from the environment (set by `check_checkpoint_exercise`):
+Where each part is comes from the environment (set by `check_sharded_training_exercise`):
     DDP_LESSONS_MODEL       FOLDER|PREFIX   the DCP folder holding the model, and the key prefix before
                                             its parameter names ("model." for {"model": ...}, or "")
     DDP_LESSONS_OPTIMIZER   FOLDER|PREFIX|STYLE   likewise for the optimizer (absent: none saved); STYLE is
@@ -26,7 +26,8 @@ dist.init_process_group("gloo", timeout=timedelta(seconds=30))
 rank, world_size = dist.get_rank(), dist.get_world_size()
 mesh = init_device_mesh("cpu", (world_size,))
 torch.manual_seed(1234)  # any weights: every one of them must come from the checkpoint
-model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+model = torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                            torch.nn.Linear(512, 10))
 for layer in model:
     if isinstance(layer, torch.nn.Linear):
         fully_shard(layer, mesh=mesh)

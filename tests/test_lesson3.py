@@ -68,12 +68,6 @@ dist.destroy_process_group()
                            "model_state, optimizer_state = get_state_dict(model, optimizer, "
                            "options=StateDictOptions(full_state_dict=True))"),
         "a rank held the whole tensor when it saved"),
-    "rank 0 gathers everything, then dcp.save on every rank": (
-        SOURCES[1].replace("model_state, optimizer_state = get_state_dict(model, optimizer)",
-                           "from torch.distributed.checkpoint.state_dict import StateDictOptions\n"
-                           "model_state, optimizer_state = get_state_dict(model, optimizer, "
-                           "options=StateDictOptions(full_state_dict=True, cpu_offload=True))"),
-        "a rank held the whole tensor when it saved"),
     # Every rank holds the whole model and Adam's state, then cuts them up again: the files look sharded.
     "every rank gathers the whole state, then re-shards it for dcp.save": (
         SOURCES[0].replace(TORCH_SAVE, """from torch.distributed.checkpoint.state_dict import StateDictOptions

@@ -47,8 +47,12 @@ WRONG_FIXES = {
         'first_step = snapshot["step"] + 1\n', 'first_step = snapshot["step"] + 1\n    typical_norm = snapshot["typical_norm"]\n'
                                                 '    torch.set_rng_state(snapshot["random"])\n'),
         "none is where a rank's noise generator ends without a kill"),
+    # The cell above's recipe for every rank: each rank's global state gathered, all equal (nothing draws from it).
+    "every rank's global random state instead": (SOLUTION.replace("noise.get_state()", "torch.get_rng_state()").replace(
+        'noise.set_state(snapshot["noise"][rank])', 'torch.set_rng_state(snapshot["noise"][rank])'),
+        "are all the same, so they are not each rank's own noise stream"),
     "rank 0's noise on every rank": (SOLUTION.replace('snapshot["noise"][rank]', 'snapshot["noise"][0]'),
-                                     "every rank drew the same noise"),
+                                     "are all the same, so they are not each rank's own noise stream"),
     "the step repeated": (SOLUTION.replace('first_step = snapshot["step"] + 1', 'first_step = snapshot["step"]'),
                           "step(s) [5] ran twice"),
     "no resume at all": (GIVEN.replace('if os.path.exists("snapshot.pt"):', "if False:"),
@@ -71,11 +75,8 @@ WRONG_FIXES = {
         # noted step 5 (the lines hidden: fewer printed than trained), or before (rank 0 prints step 5 again).
         ("the ranks printed 18 steps but trained 24", "step(s) [5] ran twice")),
     "the progress line removed": (SOLUTION.replace('print(f"step {step} done")', "pass"), "no rank was killed"),
-    # Shortcuts that make the learner's own kill and no-kill runs agree by changing the training itself.
-    "reseeding every step": (GIVEN.replace(
-        "        inputs = inputs + 0.1", "        noise.manual_seed(100 + rank + step)\n        inputs = inputs + 0.1"),
-        OTHER_WEIGHTS),
-    "the noise removed": (GIVEN.replace("inputs = inputs + 0.1 *", "inputs = inputs + 0.0 *"), OTHER_WEIGHTS),
+    # Shortcuts that make the learner's own kill and no-kill runs agree by changing the training itself (reseeding
+    # every step, or no noise, are judged the same way: against the checker's own run of the training as given).
     "the clipping removed": (SOLUTION.replace("max_norm=typical_norm", "max_norm=float('inf')"), OTHER_WEIGHTS),
     "one seed for every rank": (SOLUTION.replace("torch.Generator().manual_seed(rank_secret())",
                                                  "torch.Generator().manual_seed(100)"), OTHER_WEIGHTS),
@@ -90,8 +91,16 @@ WRONG_FIXES = {
         "passed data around the collectives"),
 }
 # Right routes beside the solution shown: each rank keeps its own generator's state in a file of its own
-# (nothing crosses between ranks, so no collective is asked for), and the average saved as a tensor.
+# (nothing crosses between ranks, so no collective is asked for), or sends it to rank 0 point to point.
 RIGHT_ROUTES = {
+    "sent to rank 0 point to point": SOLUTION.replace(
+        "        dist.all_gather_object(states, noise.get_state())\n",
+        "        if rank == 0:\n"
+        "            states = [noise.get_state()] + [torch.empty_like(noise.get_state()) for _ in range(1, world_size)]\n"
+        "            for r in range(1, world_size):\n"
+        "                dist.recv(states[r], src=r)\n"
+        "        else:\n"
+        "            dist.send(noise.get_state(), dst=0)\n"),
     "each rank its own file": SOLUTION.replace('    noise.set_state(snapshot["noise"][rank])\n',
                                                '    noise.set_state(torch.load(f"noise{rank}.pt", weights_only=True))\n').replace(
         "        dist.all_gather_object(states, noise.get_state())\n",

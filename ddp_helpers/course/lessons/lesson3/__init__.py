@@ -384,7 +384,8 @@ def _judge_resumed(run: RunResult, layouts: dict, secrets: list[int], report: Ex
         if wrong:
             report.mistakes.append(
                 f"resumed at world {world}, the parameters ({wrong[0]}, ...) are not the model's after its "
-                f"{EXERCISE_STEPS} training steps: save once training is done")
+                f"{EXERCISE_STEPS} training steps (beyond 1e-4): the checkpoint holds other weights than the training "
+                "reached")
             return
         if optimizer_part is None:
             report.mistakes.append("the checkpoint has no optimizer state: a resumed job would start Adam's moments "

@@ -70,18 +70,19 @@ def check_resume_exercise(run: RunResult) -> ExerciseReport:
 
 def _judge_states_crossed_through_collectives(run: RunResult, snapshot: dict, report: ExerciseReport) -> None:
     """Positive evidence for what crossed between the ranks: the random states in rank 0's snapshot other than
-    (perhaps) rank 0's own must each have been handed to a collective by a rank (the launcher digests every byte
-    tensor a rank hands one). A snapshot with the other ranks' states in it, that no collective carried, got them
+    (perhaps) rank 0's own must each have been handed to a collective or sent by a rank (the launcher digests every
+    byte tensor a rank hands a collective, and each one a rank sends). A snapshot with the other ranks' states in it, that no collective carried, got them
     by another road. Nothing is asked where nothing crossed (each rank keeping its own state in its own file)."""
     from ..._all_reduce_log import byte_digests
 
     states = set(byte_digests({key: value for key, value in snapshot.items() if key not in ("model", "optimizer")}))
     handed = {digest for r in run.ranks for call in records(run)[r.rank].handed_to_collectives for digest in call.get("digests", ())}
-    unseen = states - handed
+    sent = {call["digest"] for r in run.ranks for call in records(run)[r.rank].point_to_point if "digest" in call}
+    unseen = states - handed - sent
     if len(states) >= 2 and len(unseen) > 1:
         report.mistakes.append(
             f"the snapshot holds {len(states)} random states, and {len(unseen)} of them reached rank 0 through no "
-            "collective the launcher saw: how did rank 0 learn the other ranks' states?")
+            "collective or send the launcher saw: how did rank 0 learn the other ranks' states?")
 
 
 # (ranks, backend, the ranks' secrets) -> (the steps the reference printed, its final snapshot, its gradient all-reduces' shapes and
@@ -190,15 +191,16 @@ def _judge_snapshots(mine: dict | None, theirs: dict, report: ExerciseReport) ->
             f"killed and restarted, the training ended with other weights than the exercise's training without a "
             f"kill (up to {largest:.1e} apart): after the restart the ranks did not go on exactly as they would "
             "have. " + (
-                f"The {len(states)} random states in your last snapshot are all the same: every rank drew the same "
-                "noise (one rank's state restored on every rank, or one seed for all), where each rank has a "
-                "stream of its own."
+                f"The {len(states)} random states in your last snapshot are all the same, so they are not each "
+                "rank's own noise stream (each rank's generator is seeded from its own secret): which generator, "
+                "and which rank's, does each come from?"
                 if shared else
                 "Each rank's noise generator ended where it does without a kill (every rank's noise generator is "
                 "in the snapshot), so the noise came back; something else a step reads did not."
                 if ended_right else
                 f"Your snapshot holds {len(states)} random state(s), and none is where a rank's noise generator "
-                "ends without a kill: is each the state of the generator the noise is drawn from?"
+                "ends without a kill: is each saved from the generator the noise is drawn from, and put back into "
+                "it on resume?"
                 if states else
                 "Besides the weights, the optimizer and the step, what else decides what a step after the restart "
                 "computes? Read this script's loop line by line."

@@ -25,7 +25,8 @@ dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=tim
 rank, world_size = dist.get_rank(), dist.get_world_size()
 
 generator = torch.Generator().manual_seed(1)
-dataset = TensorDataset(torch.randn(96, 6, generator=generator), torch.randn(96, 1, generator=generator))
+samples = 48 * world_size  # as the exercise: 8 batches of 6 per rank and epoch
+dataset = TensorDataset(torch.randn(samples, 6, generator=generator), torch.randn(samples, 1, generator=generator))
 sampler = DistributedSampler(dataset, seed=1)
 loader = DataLoader(dataset, batch_size=6, sampler=sampler, generator=torch.Generator().manual_seed(1))
 # Each rank its own input noise, from the secret the learner's rank of the same number was handed.

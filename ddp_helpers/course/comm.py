@@ -103,6 +103,7 @@ _RING_SHARE = {
 
 def bytes_received_per_rank(summary: dict[str, dict[str, int]], world_size: int) -> dict[str, float]:
     """From `count_collectives().summary()`: {kind: bytes one rank receives}, assuming ring algorithms
-    (what nccl and gloo use for large tensors). Kinds without a ring estimate are left out."""
+    (what nccl uses for large tensors; gloo too, except for reduce-scatter, which torch runs on gloo as an
+    all-reduce of the whole tensor: `ProcessGroupGloo.cpp`). Kinds without a ring estimate are left out."""
     return {kind: counts["bytes"] * _RING_SHARE[kind](world_size)
             for kind, counts in summary.items() if kind in _RING_SHARE}

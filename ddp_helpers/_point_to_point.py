@@ -48,10 +48,15 @@ def _entry(op: str, tensor, peer, with_values: bool) -> dict:
     elif with_values and str(tensor.dtype) == "torch.uint8" and tensor.numel() <= MAX_DIGESTED_BYTES:
         # Bytes too many to log (a random generator's state is 5,056): their digest, which a client can match
         # against what it finds elsewhere (a snapshot's states), as the course's collective log digests them.
-        import hashlib
-
-        entry["digest"] = hashlib.sha256(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:32]
+        entry["digest"] = byte_digest(tensor)
     return entry
+
+
+def byte_digest(tensor) -> str:
+    """A byte tensor's digest (its bytes' sha256, shortened): the same in every log that digests one."""
+    import hashlib
+
+    return hashlib.sha256(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:32]
 
 
 def _is_received(tensor) -> bool:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import sys
 
+from .._point_to_point import MAX_DIGESTED_BYTES, byte_digest
+
 MAX_CALLS = 1000
 # Elements: a small tensor's values are copied at each call; larger ones are logged by shape only, so that
 # timed all-reduces (lesson 6's, 1 KiB and up) are not slowed by the copy.
@@ -95,10 +97,8 @@ def byte_digests(value, depth: int = 0) -> list[str]:
     """A digest of every byte tensor in `value` (a tensor, or one inside dicts, lists and tuples): random states
     (torch.get_rng_state()) are byte tensors. The checker digests what a snapshot holds the same way."""
     if hasattr(value, "dtype") and hasattr(value, "numel"):
-        if str(value.dtype) == "torch.uint8" and value.numel() <= 1 << 20 and not _capturing(value):
-            import hashlib
-
-            return [hashlib.sha256(value.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:32]]
+        if str(value.dtype) == "torch.uint8" and value.numel() <= MAX_DIGESTED_BYTES and not _capturing(value):
+            return [byte_digest(value)]
         return []
     if depth >= 4:
         return []

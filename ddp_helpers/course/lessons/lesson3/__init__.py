@@ -210,11 +210,16 @@ def check_sharded_training_exercise(run: RunResult) -> ExerciseReport:
     return report
 
 
+def _measured_steps(run: RunResult, rank: int) -> list[dict]:
+    """What `_held_memory` measured after each of the rank's optimizer steps (a failed measurement left out)."""
+    return [step for step in records(run)[rank].held_after_steps if "error" not in step]
+
+
 def _optimizer_without_gradients(run: RunResult) -> str | None:
     """What to say when a rank's optimizer stepped the training's steps without one gradient on its parameters
     (as `_held_memory` measured after each step): it holds tensors the model no longer trains. None otherwise."""
     for r in run.ranks:
-        measured = [step for step in records(run)[r.rank].held_after_steps if "error" not in step][:EXERCISE_STEPS]
+        measured = _measured_steps(run, r.rank)[:EXERCISE_STEPS]
         if len(measured) == EXERCISE_STEPS and all(step["gradients"] == 0 for step in measured):
             return (f"rank {r.rank}'s optimizer stepped {EXERCISE_STEPS} times, and its parameters had no gradient "
                     "after any of the steps: Adam never moved them. The tensors it holds are not the ones the "
@@ -233,7 +238,7 @@ def _judge_memory(run: RunResult, report: ExerciseReport) -> bool:
         return False
     worst = None
     for r in run.ranks:
-        measured = [step for step in records(run)[r.rank].held_after_steps if "error" not in step]
+        measured = _measured_steps(run, r.rank)
         if len(measured) < EXERCISE_STEPS:
             report.mistakes.append(
                 f"rank {r.rank} made {len(measured)} optimizer step(s) that could be measured, of the training's "

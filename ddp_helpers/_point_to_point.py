@@ -12,9 +12,14 @@ received (its `.grad`, or what `torch.autograd.grad` returned for it): the pipel
 that stage 1 computed from what it received, rather than recomputing stage 0 and sending for show.
 
 And every backward (`torch.autograd.backward`, which `Tensor.backward` calls, and `torch.autograd.grad`) is logged
-as {"op": "backward", "used_received": ...}: whether a received tensor (or a copy of it) was handed to it as the
-gradient of its outputs, or sits in the graph it runs: the pipeline checker's evidence that stage 0's gradients
-came from the gradient stage 1 sent back, not from a loss stage 0 computed itself.
+as {"op": "backward", "used_received": ..., "received_used": [...]}: whether a received tensor (or a copy of it)
+was handed to it as the gradient of its outputs, or sits in the graph it runs, and which of the rank's receives
+(numbered from 0 in the order called) those were: the pipeline checker's evidence that stage 0's gradients came from
+the gradients stage 1 sent back, not from a loss stage 0 computed itself.
+
+The calls one `dist.batch_isend_irecv` makes carry {"batch": n} (n counts the rank's batches): on nccl the calls of
+one batch run together on the GPU, where any other point-to-point call runs on its own, after the ones before it
+(lesson 1's checker judges a run's order as nccl would run it).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ calls: list[dict] = []
 waiting: dict | None = None
 count = 0
 _depth = 0
+_batch: int | None = None  # the number of the batch_isend_irecv the script is in (None outside one)
+_batches = 0
 # The script's latest isend/irecv calls and their Work (weakly): one not completed is what a rank in
 # `work.wait()` waits for, which neither `waiting` nor the flight recorder (gloo) shows.
 _started: list[tuple[dict, weakref.ref]] = []
@@ -93,8 +100,10 @@ def _logged(op: str, function, values_after: bool):
         if _depth:  # torch's send is built on its isend (recv on irecv): log the call the script made
             return function(tensor, *args, **kwargs)
         peer = _peer((tensor, *args), kwargs, "dst" if "send" in op else "src")
+        # Its number (the script's point-to-point calls counted from 1), and its batch_isend_irecv if any.
+        about = {"number": count + 1, **({} if _batch is None else {"batch": _batch})}
         if len(calls) < MAX_CALLS and not values_after:
-            calls.append(_entry(op, tensor, peer, with_values=op.endswith("send")))
+            calls.append({**_entry(op, tensor, peer, with_values=op.endswith("send")), **about})
             if op.endswith("send") and tensor.numel() <= MAX_VALUES and (_received or _gradients_of_received):
                 calls[-1]["grad_of_received"] = _gradient_of_received(tensor)
         if op.endswith("recv") and len(_received) < MAX_CALLS:
@@ -109,7 +118,7 @@ def _logged(op: str, function, values_after: bool):
             _depth -= 1
             waiting = None
         if len(calls) < MAX_CALLS and values_after:
-            calls.append(_entry(op, tensor, peer if peer is not None else result, with_values=True))
+            calls.append({**_entry(op, tensor, peer if peer is not None else result, with_values=True), **about})
         if op in ("isend", "irecv") and result is not None:
             _started.append(({**_entry(op, tensor, peer, with_values=False), "number": count}, weakref.ref(result)))
             del _started[:-KEEP_STARTED]
@@ -131,19 +140,21 @@ def unfinished() -> dict | None:
     return None
 
 
-def _is_received_value(tensor) -> bool:
-    """`tensor` is a received tensor, or equal to one (a copy)."""
-    return any(_same(tensor, ref()) for ref in _received)
+def _received_values(tensor) -> set[int]:
+    """The receives (numbered from 0) whose tensor is `tensor`, or equal to it (a copy)."""
+    return {number for number, ref in enumerate(_received) if _same(tensor, ref())}
 
 
-def _used_received(roots, gradients) -> bool:
-    """Whether a received tensor is among `gradients` (what a backward is handed for its `roots`), or is saved
+def _used_received(roots, gradients) -> set[int]:
+    """The receives whose tensor is among `gradients` (what a backward is handed for its `roots`), or is saved
     in the graph that backward runs (`(activation * received).sum().backward()`)."""
     import torch
 
     as_list = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]
-    if any(torch.is_tensor(g) and _is_received_value(g) for g in as_list(gradients)):
-        return True
+    used = set()
+    for g in as_list(gradients):
+        if torch.is_tensor(g):
+            used |= _received_values(g)
     seen, frontier = set(), [r.grad_fn for r in as_list(roots) if torch.is_tensor(r) and r.grad_fn is not None]
     while frontier and len(seen) < 1000:
         node = frontier.pop()
@@ -156,10 +167,10 @@ def _used_received(roots, gradients) -> bool:
                     saved = getattr(node, name)
                 except RuntimeError:  # freed already (retain_graph=False on an earlier backward)
                     continue
-                if torch.is_tensor(saved) and _is_received_value(saved):
-                    return True
+                if torch.is_tensor(saved):
+                    used |= _received_values(saved)
         frontier += [next_node for next_node, _ in node.next_functions]
-    return False
+    return used
 
 
 def _note_backward(roots, gradients) -> None:
@@ -168,7 +179,8 @@ def _note_backward(roots, gradients) -> None:
         return
     _depth += 1
     try:
-        calls.append({"op": "backward", "peer": None, "shape": [], "used_received": _used_received(roots, gradients)})
+        used = sorted(_used_received(roots, gradients))
+        calls.append({"op": "backward", "peer": None, "shape": [], "used_received": bool(used), "received_used": used})
     except Exception:  # noqa: BLE001 - evidence is best effort: the backward itself must run as the script wrote it
         pass
     finally:
@@ -200,6 +212,22 @@ def _observing_grad(grad):
     return observed
 
 
+def _observing_batch(batch_isend_irecv):
+    @functools.wraps(batch_isend_irecv)
+    def observed(p2p_op_list, *args, **kwargs):
+        global _batch, _batches
+        if _batch is not None:
+            return batch_isend_irecv(p2p_op_list, *args, **kwargs)
+        _batch, _batches = _batches, _batches + 1
+        try:
+            return batch_isend_irecv(p2p_op_list, *args, **kwargs)
+        finally:
+            _batch = None
+
+    observed.__ddp_helpers_logged__ = True
+    return observed
+
+
 def observe(c10d_module) -> None:
     """Wrap the point-to-point functions of `torch.distributed.distributed_c10d` (before `torch.distributed`
     re-exports them, or after, in a warm rank: then its names are rebound too)."""
@@ -212,6 +240,10 @@ def observe(c10d_module) -> None:
             continue
         wrapped[op] = _logged(op, function, values_after)
         setattr(c10d_module, op, wrapped[op])
+    batch = getattr(c10d_module, "batch_isend_irecv", None)
+    if batch is not None and not getattr(batch, "__ddp_helpers_logged__", False):
+        wrapped["batch_isend_irecv"] = _observing_batch(batch)
+        setattr(c10d_module, "batch_isend_irecv", wrapped["batch_isend_irecv"])
     package = sys.modules.get("torch.distributed")
     if package is not None:
         for op, function in wrapped.items():

@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ddp_helpers"
 RUN_FOLDER_NAMES = ("outcome.json", "torchrun.log", "identity.json", ".stack", "error.json", "exit.json", "hang.json",
                     "hang.request", "supervisor.json", "kill_request", ".forked", "job-%j", "slurm-")
 # The course's records of each rank in the run folder, as course/records.py names them.
-COURSE_RECORD_NAMES = ("writes.json", "p2p.json", "collectives.json", "all_reduced.json", "channel_bytes.json", "held.json")
+COURSE_RECORD_NAMES = ("writes.json", "p2p.json", "collectives.json", "all_reduced.json", "channel_bytes.json", "held.json",
+                       "activations.json")
 # Folders of the run folder: common words, so a string spells one only when it is the name itself (torch's
 # module torch.distributed.flight_recorder is not the folder).
 RUN_FOLDER_DIRS = ("flight_recorder", "pipes", "facts")
@@ -65,10 +66,10 @@ def code_text(tree: ast.Module) -> str:
 
 
 # A run-folder file as prose names it: `rankN.hang.json`, `outcome.json`, `flight_recorder/rankN`, `job-%j.out`.
-FILE_IN_PROSE = re.compile(r"\brank(N|K|0|1)\.(?!(writes|p2p|collectives|all_reduced|channel_bytes|held)\.json|secret|crossings)[a-z]|\b(outcome|torchrun|supervisor|exit|error|identity|"
+FILE_IN_PROSE = re.compile(r"\brank(N|K|0|1)\.(?!(writes|p2p|collectives|all_reduced|channel_bytes|held|activations)\.json|secret|crossings)[a-z]|\b(outcome|torchrun|supervisor|exit|error|identity|"
                            r"hang)\.(json|log|request)\b|agentK?\.outcome|kill_request\.json|"
                            r"(?<!distributed/)\b(flight_recorder|pipes|facts)/|\b(job|slurm)-(%j|<job id>)")
-COURSE_RECORD_IN_PROSE = re.compile(r"\b(writes|p2p|collectives|all_reduced|channel_bytes|held)\.json\b|rankN\.(secret|crossings)")
+COURSE_RECORD_IN_PROSE = re.compile(r"\b(writes|p2p|collectives|all_reduced|channel_bytes|held|activations)\.json\b|rankN\.(secret|crossings)")
 
 
 def spelled_outside(owner: str, names: tuple[str, ...], prose: re.Pattern, dirs: tuple[str, ...] = ()) -> dict:

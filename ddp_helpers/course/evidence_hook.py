@@ -17,7 +17,7 @@ import os
 import sys
 
 from .. import _hang_probe, _point_to_point
-from . import _all_reduce_log, _channel_bytes, _held_memory, records
+from . import _all_reduce_log, _channel_bytes, _held_activations, _held_memory, records
 from ..rank_hooks import PatchOnImport
 from ..run_folder import SECRET_ENV, RunFolder
 
@@ -39,8 +39,9 @@ def start(folder: RunFolder, rank: int) -> None:
 def finish(folder: RunFolder, rank: int) -> None:
     if _observer is not None:
         records.write(folder, rank, files_written=_observer.paths, point_to_point=_point_to_point.summary(),
-                              all_reduced=_all_reduce_log.summary(), collectives=_collectives_called(rank),
-                              channel_bytes=_channel_bytes.summary(), held_after_steps=_held_memory.summary())
+                      all_reduced=_all_reduce_log.summary(), collectives=_collectives_called(rank),
+                      channel_bytes=_channel_bytes.summary(), held_after_steps=_held_memory.summary(),
+                      held_for_backward=_held_activations.summary())
 
 
 def _observe_collectives(c10d_module) -> None:

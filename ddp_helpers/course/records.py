@@ -11,6 +11,7 @@ is then empty.
     rankN.collectives.json       its collectives, as torch's flight recorder held them at the end
     rankN.channel_bytes.json     what its store and point-to-point calls moved
     rankN.held.json              what its tensors held after each optimizer step (`_held_memory`; lesson 3)
+    rankN.activations.json       what autograd held for backward, at each change (`_held_activations`; lesson 1)
     rankN.secret                 a number only rank N's process is handed, drawn at its first attempt: an
                                  exercise's data comes from it (`ddp_helpers.rank_secret`), and its checker reads it
 
@@ -26,10 +27,12 @@ from dataclasses import dataclass, field
 
 from ..run_folder import RunFolder, append_line, register_rank_records
 
-_WRITES, _P2P, _ALL_REDUCED, _COLLECTIVES, _CHANNEL_BYTES, _HELD = (
-    "writes.json", "p2p.json", "all_reduced.json", "collectives.json", "channel_bytes.json", "held.json")
+_WRITES, _P2P, _ALL_REDUCED, _COLLECTIVES, _CHANNEL_BYTES, _HELD, _ACTIVATIONS = (
+    "writes.json", "p2p.json", "all_reduced.json", "collectives.json", "channel_bytes.json", "held.json",
+    "activations.json")
 _CROSSINGS, _SECRET = "crossings", "secret"
-register_rank_records(_WRITES, _P2P, _ALL_REDUCED, _COLLECTIVES, _CHANNEL_BYTES, _HELD, _CROSSINGS, _SECRET)
+register_rank_records(_WRITES, _P2P, _ALL_REDUCED, _COLLECTIVES, _CHANNEL_BYTES, _HELD, _ACTIVATIONS, _CROSSINGS,
+                      _SECRET)
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,8 @@ class RankRecords:
         files_written: absolute paths of the files the rank's script opened for writing or renamed into place
             (seen, not reported by the script); empty if the rank did not end normally.
         point_to_point: its `send`/`recv`/`isend`/`irecv` calls, in order: {"op", "peer", "shape", "dtype",
-            "values" (small tensors only)}; empty if the rank did not end normally.
+            "number", "values" (small tensors only), "batch" (in a `batch_isend_irecv`)}, and its backwards
+            ({"op": "backward", "received_used"}: `_point_to_point`); empty if the rank did not end normally.
         all_reduced: its script's own `all_reduce` calls, in order (the first 1000): {"shape", "dtype", "op",
             "values" (what it put in; tensors of at most 64 elements)}; DDP's all-reduces, made in C++, are not
             among them.
@@ -55,6 +59,9 @@ class RankRecords:
         held_after_steps: after each optimizer step its script made (once something asked for the measurement:
             lesson 3's `my_batch`), the bytes its tensors held: {"parameters", "gradients", "optimizer_state",
             "other"} (`_held_memory`); empty if not measured or the rank did not end normally.
+        held_for_backward: the bytes autograd held for backward, at each change, with the point-to-point calls
+            made by then: [calls, bytes] (`_held_activations`, once something asked for it: lesson 1's
+            `my_inputs`); empty if not measured or the rank did not end normally.
         crossings: what its script did to other ranks' files in the run folder (their secrets, outputs, facts), or
             to its own secret: "opened", "changed", "linked to"... and the file's name there. Kept however the
             rank ended.
@@ -69,6 +76,7 @@ class RankRecords:
     collectives: tuple[dict, ...] = ()
     channel_bytes: dict = field(default_factory=dict)
     held_after_steps: tuple[dict, ...] = ()
+    held_for_backward: tuple[list, ...] = ()
     crossings: tuple[str, ...] = ()
     secret: int | None = None
 
@@ -97,7 +105,7 @@ def note_crossing(folder: RunFolder, rank: int, name: str, how: str) -> None:
 
 
 def write(folder: RunFolder, rank: int, *, files_written, point_to_point, all_reduced, collectives,
-          channel_bytes: dict, held_after_steps=()) -> None:
+          channel_bytes: dict, held_after_steps=(), held_for_backward=()) -> None:
     """What the rank's script did, written as it ended."""
     folder.write_json(folder.rank_record(rank, _WRITES), {"rank": rank, "files": sorted(files_written)})
     folder.write_json(folder.rank_record(rank, _P2P), {"rank": rank, "calls": list(point_to_point)})
@@ -105,6 +113,7 @@ def write(folder: RunFolder, rank: int, *, files_written, point_to_point, all_re
     folder.write_json(folder.rank_record(rank, _COLLECTIVES), {"rank": rank, "calls": list(collectives)})
     folder.write_json(folder.rank_record(rank, _CHANNEL_BYTES), {"rank": rank, "totals": dict(channel_bytes)})
     folder.write_json(folder.rank_record(rank, _HELD), {"rank": rank, "calls": list(held_after_steps)})
+    folder.write_json(folder.rank_record(rank, _ACTIVATIONS), {"rank": rank, "calls": list(held_for_backward)})
 
 
 # ---- read back (checkers, lessons) ----------------------------------------------------------------------------
@@ -139,7 +148,8 @@ def read(folder: RunFolder, rank: int) -> RankRecords:
         all_reduced=tuple(call for call in handed if "collective" not in call),
         handed_to_collectives=tuple({"collective": "all_reduce", **call} if "collective" not in call else call
                                     for call in handed),
-        collectives=calls(_COLLECTIVES), held_after_steps=calls(_HELD), crossings=read_crossings(folder, rank), secret=read_secret(folder, rank),
+        collectives=calls(_COLLECTIVES), held_after_steps=calls(_HELD), held_for_backward=calls(_ACTIVATIONS),
+        crossings=read_crossings(folder, rank), secret=read_secret(folder, rank),
         channel_bytes=dict((folder.read_own_json(folder.rank_record(rank, _CHANNEL_BYTES)) or {}).get("totals", {})))
 
 

@@ -1,26 +1,32 @@
 """Lesson 1 (data vs model parallelism): the pipeline's idle time, and the exercise checker.
 
-The exercise is a two-stage pipeline that deadlocks: rank 0 waits for a gradient before it has sent
-the activation the gradient would come from, so both ranks sit in `recv`. The checker judges what
-the run did against the exercise's model and batch, computed here (not from what the ranks recorded):
-the batch's inputs come from rank 0's secret and its labels from rank 1's (`my_inputs`, `my_targets`;
+The exercise gives the two-stage pipeline with its batch cut into 4 micro-batches, run as GPipe (every forward,
+then every backward): stage 0 holds all four micro-batches' activations. The learner rewrites it as 1F1B. The
+checker judges what the run did against the exercise's model and batch, computed here (not from what the ranks
+recorded): the batch's inputs come from rank 0's secret and its labels from rank 1's (`my_inputs`, `my_targets`;
 `ddp_helpers.rank_secret`), so neither stage can compute the other's part. It finished; nothing but the
-activation and its gradient crossed (no collective, no store, no file, no larger send); the activation
-went from rank 0 to rank 1 and its gradient came back (every send and recv is seen by the launcher,
-values included), and stage 0's backward ran from that gradient (every backward is seen too); and loss and
-gradients equal the unsplit model's.
+activations and their gradients crossed (no collective, no store, no file, no larger send); every micro-batch's
+activation went from rank 0 to rank 1 and its gradient came back (every send and recv is seen by the launcher,
+values included), and stage 0's backwards ran from those gradients (every backward is seen too); stage 0 never
+held more than two micro-batches' activations, and had run the next micro-batch's forward whenever it called for
+a gradient (autograd's saved tensors, measured in the rank: `_held_activations`); the order of the calls would
+also finish on GPUs (`nccl_order`); and loss and gradients equal the unsplit model's.
 """
 
 from __future__ import annotations
 
 import re
 
+from ... import _held_activations
 from ...exercises import ExerciseReport, side_channels, opening
+from ...nccl_order import stuck_on_nccl
 from ....recording import rank_secret
 from ....result import RunResult
 from ...records import records
 
-ACTIVATION_BYTES = 8 * 32 * 4  # what each stage sends: the activation forward, its gradient back (float32)
+MICRO_BATCHES, MICRO_BATCH = 4, 8  # the exercise's batch of 32, cut into 4 micro-batches of 8
+ACTIVATION_BYTES = MICRO_BATCH * 32 * 4  # one micro-batch's activation at the cut (float32); its gradient the same
+IN_FLIGHT = 2  # 1F1B on 2 stages: stage 0 holds at most p - 0 = 2 micro-batches' activations
 
 
 def idle_fractions(timeline: list[dict]) -> list[float]:
@@ -81,45 +87,64 @@ def unsplit_model(hidden: int = 64):
 
 
 def pipeline_inputs(secret: int):
-    """The exercise batch's inputs (8 x 16), which only stage 0 reads, from its rank's secret."""
+    """The exercise batch's inputs (32 x 16), which only stage 0 reads, from its rank's secret."""
     import torch
 
-    return torch.randn(8, 16, generator=torch.Generator().manual_seed(secret % 2**63))
+    return torch.randn(MICRO_BATCHES * MICRO_BATCH, 16, generator=torch.Generator().manual_seed(secret % 2**63))
 
 
 def pipeline_targets(secret: int):
-    """The exercise batch's labels (8 of 2 classes), which only the last stage reads, from its rank's secret."""
+    """The exercise batch's labels (32 of 2 classes), which only the last stage reads, from its rank's secret."""
     import torch
 
-    return torch.randint(0, 2, (8,), generator=torch.Generator().manual_seed((secret + 1) % 2**63))
+    return torch.randint(0, 2, (MICRO_BATCHES * MICRO_BATCH,),
+                         generator=torch.Generator().manual_seed((secret + 1) % 2**63))
 
 
 def my_inputs():
-    """In a rank: the batch's inputs as this rank's secret draws them (stage 0's are the batch's)."""
+    """In a rank: the batch's inputs as this rank's secret draws them (stage 0's are the batch's). From here on, the
+    rank measures what autograd holds for backward (the checker's evidence of the schedule)."""
+    _held_activations.watch()
     return pipeline_inputs(rank_secret())
 
 
 def my_targets():
     """In a rank: the batch's labels as this rank's secret draws them (the last stage's are the batch's)."""
+    _held_activations.watch()
     return pipeline_targets(rank_secret())
 
 
 def exercise_reference(secrets: list[int]):
     """The exercise's pipeline computed here, in one process, from the exercise's own model and the batch the
-    ranks' secrets draw (rank 0's inputs, rank 1's labels), not from anything the run recorded:
-    {"activation", "activation_grad", "loss", "grads"}, the grads keyed "stage0.<name>" / "stage1.<name>" as
-    the stages name their parameters."""
+    ranks' secrets draw (rank 0's inputs, rank 1's labels), not from anything the run recorded: {"activations",
+    "activation_grads" (one per micro-batch, the loss being the whole batch's mean), "loss", "grads"}, the grads
+    keyed "stage0.<name>" / "stage1.<name>" as the stages name their parameters."""
     import torch
 
     model = unsplit_model(64)
     inputs, targets = pipeline_inputs(secrets[0]), pipeline_targets(secrets[1])
-    activation = model[:4](inputs)
-    activation.retain_grad()
-    loss = torch.nn.functional.cross_entropy(model[4:](activation), targets)
-    loss.backward()
+    activations = [model[:4](micro) for micro in inputs.chunk(MICRO_BATCHES)]
+    for activation in activations:
+        activation.retain_grad()
+    losses = [torch.nn.functional.cross_entropy(model[4:](a), t) / MICRO_BATCHES
+              for a, t in zip(activations, targets.chunk(MICRO_BATCHES))]
+    sum(losses).backward()
     grads = {**{f"stage0.{n}": p.grad for n, p in model[:4].named_parameters()},
              **{f"stage1.{n}": p.grad for n, p in model[4:].named_parameters()}}
-    return {"activation": activation.detach(), "activation_grad": activation.grad, "loss": loss.item(), "grads": grads}
+    return {"activations": [a.detach() for a in activations], "activation_grads": [a.grad for a in activations],
+            "loss": sum(loss.item() for loss in losses), "grads": grads}
+
+
+def one_micro_batch_held() -> int:
+    """The bytes autograd holds for backward after stage 0's forward of one micro-batch, measured here as the rank
+    measures them (`_held_activations`): the unit the checker counts micro-batches in."""
+    import torch
+
+    counter = _held_activations.HeldForBackward()
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        output = unsplit_model(64)[:4](torch.zeros(MICRO_BATCH, 16))
+    del output
+    return counter.peak
 
 
 def _messages(run: RunResult, sender: int, receiver: int, shape: list[int]) -> tuple[list[dict], list[dict]]:
@@ -144,24 +169,36 @@ def _carried(messages: list[dict], expected, *, unknown_passes: bool = False) ->
                for m in messages)
 
 
-def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
-    """Name what is wrong with the learner's two-stage pipeline run, or confirm it.
+def _all_carried(messages: list[dict], expected: list, **kwargs) -> int | None:
+    """The first micro-batch whose tensor none of the messages held, or None if each one's was."""
+    return next((k for k, tensor in enumerate(expected) if not _carried(messages, tensor, **kwargs)), None)
 
-    Judged against the exercise's own model, batch and seeds, computed here: the activation must have
-    travelled from rank 0 to rank 1 and its gradient back (the launcher saw every send and recv), and the
-    loss and both stages' gradients must equal the unsplit model's."""
-    report = ExerciseReport(verdict_when_passed="All checks pass: the activation crossed from stage 0 to stage 1, its "
-                                                "gradient came back, and the pipeline computes exactly what the "
-                                                "unsplit model does.")
+
+def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
+    """Name what is wrong with the learner's 1F1B pipeline run, or confirm it.
+
+    Judged against the exercise's own model, batch and seeds, computed here: every micro-batch's activation must
+    have travelled from rank 0 to rank 1 and its gradient back (the launcher saw every send and recv); stage 0 held
+    at most two micro-batches' activations, and the next one's whenever it called for a gradient (measured in the
+    rank); the calls' order must also finish on nccl; and the loss and both stages' gradients must equal the
+    unsplit model's."""
+    report = ExerciseReport(verdict_when_passed="All checks pass: every micro-batch's activation crossed from stage "
+                                                "0 to stage 1 and its gradient came back, stage 0 never held more than "
+                                                "two micro-batches and kept stage 1 fed, the order would run on GPUs "
+                                                "too, and the pipeline computes exactly what the unsplit model does.")
     if run.timed_out:
-        where = []
+        where, calls = [], set()
         for r in run.ranks:
             lines = re.findall(r'exercise\.py", line (\d+)', r.stderr)
-            calls = "recv" if "in recv" in r.stderr else "send" if "in send" in r.stderr else "?"
-            where.append(f"rank {r.rank} in {calls} (line {lines[0] if lines else '?'} of the cell)")
+            call = "recv" if "in recv" in r.stderr else "send" if "in send" in r.stderr else "?"
+            calls.add(call)
+            where.append(f"rank {r.rank} in {call} (line {lines[-1] if lines else '?'} of the cell)")
+        why = (" A send here returns only once the other rank has received it (on GPUs, nccl's returns at once but "
+               "the GPU waits the same way), so two ranks that both send first wait for each other."
+               if calls == {"send"} else "")
         report.mistakes.append(
             "the run never finished: " + ", ".join(where) + ". Each rank waits for the other: look at the order "
-            "in which each rank sends and receives"
+            "in which each rank sends and receives, side by side." + why
         )
         return report
     secrets = opening(run, report, exactly=2, ranks_for="the pipeline has two stages", channels=False)
@@ -171,15 +208,16 @@ def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
         return report
     reference = exercise_reference(secrets)
     _judge_what_crossed(run, reference, report)
+    _judge_the_schedule(run, report)
     _judge_what_it_computed(run, reference, report)
     return report
 
 
-ONLY_THE_ACTIVATION = "in a pipeline each stage computes its own part, and only the activation and its gradient cross"
+ONLY_THE_ACTIVATION = "in a pipeline each stage computes its own part, and only the activations and their gradients cross"
 
 
 def _judge_nothing_else_crossed(run: RunResult, report: ExerciseReport) -> bool:
-    """Only the activation and its gradient crossed: a stage that received the other's data (rank 1's labels,
+    """Only the activations and their gradients crossed: a stage that received the other's data (rank 1's labels,
     rank 0's inputs) could compute the other stage's part itself."""
     around = side_channels(run)
     if around:
@@ -187,10 +225,10 @@ def _judge_nothing_else_crossed(run: RunResult, report: ExerciseReport) -> bool:
         return False
     for r in run.ranks:
         sent = records(run)[r.rank].channel_bytes.get("sent_bytes", 0)
-        if sent > ACTIVATION_BYTES:
-            what = "the activation" if r.rank == 0 else "the activation's gradient"
+        if sent > MICRO_BATCHES * ACTIVATION_BYTES:
+            what = "the activations" if r.rank == 0 else "the activations' gradients"
             report.mistakes.append(f"rank {r.rank} sent {sent:,} bytes point to point, more than the "
-                                   f"{ACTIVATION_BYTES:,} of {what}: {ONLY_THE_ACTIVATION}")
+                                   f"{MICRO_BATCHES * ACTIVATION_BYTES:,} of {what}: {ONLY_THE_ACTIVATION}")
             return False
     collectives = sorted({c["op"] for r in run.ranks for c in records(run)[r.rank].collectives if "barrier" not in c["op"]})
     if collectives:
@@ -200,38 +238,108 @@ def _judge_nothing_else_crossed(run: RunResult, report: ExerciseReport) -> bool:
 
 
 def _judge_what_crossed(run: RunResult, reference: dict, report: ExerciseReport) -> None:
-    """The activation went from rank 0 to rank 1, and its gradient back (as the launcher saw the sends)."""
-    shape = list(reference["activation"].shape)
+    """Every micro-batch's activation went from rank 0 to rank 1, and its gradient back (as the launcher saw the
+    sends), computed by stage 1 from what it received; stage 0's backwards ran from the gradients it received."""
+    shape = list(reference["activations"][0].shape)
     sent, received = _messages(run, 0, 1, shape)
+    missing = _all_carried(sent, reference["activations"])
     if not sent or not received:
         report.mistakes.append(
-            "the activation never crossed from rank 0 to rank 1 (no send of an 8 x 32 tensor from rank 0 that "
+            "the activations never crossed from rank 0 to rank 1 (no send of an 8 x 32 tensor from rank 0 that "
             "rank 1 received): stage 1 must work on what stage 0 computed, sent over the process group")
-    elif not _carried(sent, reference["activation"]) or not _carried(received, reference["activation"],
-                                                                      unknown_passes=True):
-        report.mistakes.append("what rank 0 sent to rank 1 is not stage 0's output on the exercise's batch")
+    elif missing is not None or _all_carried(received, reference["activations"], unknown_passes=True) is not None:
+        which = missing if missing is not None else _all_carried(received, reference["activations"], unknown_passes=True)
+        report.mistakes.append(f"stage 0's output on micro-batch {which} (rows {which * MICRO_BATCH} to "
+                               f"{(which + 1) * MICRO_BATCH - 1} of the batch) never went from rank 0 to rank 1")
     else:
-        report.confirmed.append("the activation went from rank 0 to rank 1 (seen by the launcher: send and recv)")
+        report.confirmed.append("each micro-batch's activation went from rank 0 to rank 1 (seen by the launcher: "
+                                "send and recv)")
     sent_back, received_back = _messages(run, 1, 0, shape)
+    wrong_back = (_all_carried(sent_back, reference["activation_grads"])
+                  if sent_back else None)
+    if wrong_back is None and sent_back:
+        wrong_back = _all_carried(received_back, reference["activation_grads"], unknown_passes=True)
     if not sent_back or not received_back:
         report.mistakes.append("no gradient reached stage0 from rank 1: nothing of the activation's shape came back, "
                                "so stage 0's layers would learn nothing from the loss")
-    elif (not _carried(sent_back, reference["activation_grad"])
-          or not _carried(received_back, reference["activation_grad"], unknown_passes=True)):
-        report.mistakes.append("what came back from rank 1 to rank 0 is not the gradient of the loss with respect to "
-                               "the activation")
-    elif not any(m.get("grad_of_received") for m in sent_back):
+    elif wrong_back is not None:
+        report.mistakes.append(f"what came back from rank 1 to rank 0 does not include the gradient of the loss (the "
+                               f"whole batch's mean) with respect to micro-batch {wrong_back}'s activation")
+    elif not all(m.get("grad_of_received") for m in sent_back):
         # The right values, but not computed from what arrived: rank 1 ran stage 0 itself and sent for show.
         report.mistakes.append("rank 1 sent back the right values, but not the gradient of the tensor it received "
                                "from rank 0: stage 1 did not compute from what stage 0 sent")
-    elif not any(m.get("op") == "backward" and m.get("used_received") for m in records(run)[0].point_to_point):
-        # Positive evidence for stage 0: its backward ran from the gradient that came back (handed to backward, or
-        # in the graph), not from a loss rank 0 computed itself with the labels it learned some other way.
-        report.mistakes.append("rank 0 received the gradient from rank 1, but no backward on rank 0 used it: "
+    elif not _every_gradient_received_was_used(records(run)[0].point_to_point, shape):
+        # Positive evidence for stage 0: its backwards ran from the gradients that came back (handed to backward,
+        # or in the graph), not from a loss rank 0 computed itself with the labels it learned some other way.
+        report.mistakes.append("rank 0 received the gradients from rank 1, but no backward on rank 0 used one of them: "
                                "stage 0's gradients came from somewhere else. Where does stage 0's backward start?")
     else:
-        report.confirmed.append("the activation's gradient, computed by stage 1 from the activation it received, "
-                                "came back from rank 1 to rank 0, and stage 0's backward ran from it")
+        report.confirmed.append("each activation's gradient, computed by stage 1 from the activation it received, "
+                                "came back from rank 1 to rank 0, and stage 0's backwards ran from them")
+
+
+def _every_gradient_received_was_used(calls: list[dict], shape: list[int]) -> bool:
+    """Each receive of a gradient (rank 0's receives of the activation's shape) went into one of its backwards."""
+    receives = [c for c in calls if c.get("op", "").endswith("recv")]
+    gradients = {number for number, c in enumerate(receives) if c.get("shape") == shape}
+    used = {number for c in calls if c.get("op") == "backward" for number in c.get("received_used", ())}
+    return bool(gradients) and gradients <= used
+
+
+def _micro_batches(count: int) -> str:
+    return f"{count} micro-batch's" if count == 1 else f"{count} micro-batches'"
+
+
+def _gradient_receives(calls: list[dict]) -> list[dict]:
+    return [c for c in calls if c.get("op", "").endswith("recv") and c.get("peer") in (1, None)
+            and c.get("shape") == [MICRO_BATCH, 32]]
+
+
+def _judge_the_schedule(run: RunResult, report: ExerciseReport) -> None:
+    """1F1B on stage 0: at most two micro-batches' activations held at once; the next micro-batch's forward run
+    before each gradient is called for (but the last); and an order of calls that nccl also completes."""
+    changes = records(run)[0].held_for_backward
+    unit = one_micro_batch_held()
+    if not changes:
+        report.mistakes.append("no activations were seen held on stage 0: the rank measures what autograd saves for "
+                               "backward once my_inputs() is called; stage 0's forwards must run after it, with autograd")
+        return
+    most = _held_activations.peak(changes)
+    if most > (IN_FLIGHT + 0.5) * unit:
+        report.mistakes.append(f"stage 0 held the activations of {most / unit:.0f} micro-batches at once ({most:,} "
+                               f"bytes saved for backward; one micro-batch's are {unit:,}): at most {IN_FLIGHT} may be "
+                               "in flight on stage 0. When can a micro-batch's activations be let go?")
+    else:
+        report.confirmed.append(f"stage 0 held at most {_micro_batches(round(most / unit))} activations at once "
+                                f"({most:,} bytes; one micro-batch's are {unit:,})")
+    calls = [list(records(run)[rank].point_to_point) for rank in (0, 1)]
+    receives = _gradient_receives(calls[0])
+    starved = [(k, _held_activations.held_at_call(changes, c["number"]))
+               for k, c in enumerate(receives[:MICRO_BATCHES - 1]) if "number" in c]
+    starved = [(k, held) for k, held in starved if held < (IN_FLIGHT - 0.5) * unit]
+    if starved:
+        k, held = starved[0]
+        report.mistakes.append(
+            f"when stage 0 called for gradient {k} (its {receives[k]['op']}) it held {_micro_batches(round(held / unit))} "
+            "activations: the next micro-batch's forward had not run, so "
+            "stage 1 waits while stage 0 computes it, and the pipeline's idle time grows back to one micro-batch "
+            "at a time")
+    elif len(receives) >= MICRO_BATCHES:
+        report.confirmed.append("whenever stage 0 called for a gradient (but the last), it had already run the next "
+                                "micro-batch's forward: stage 1 was kept fed")
+    stuck = stuck_on_nccl(calls)
+    if stuck:
+        where = ", ".join(f"rank {rank} in its {call['op']} {'to' if 'send' in call['op'] else 'from'} rank {1 - rank} "
+                          f"(its call {call.get('number', '?')})"
+                          for rank, call in sorted(stuck.items()))
+        report.mistakes.append(
+            f"this order finishes on gloo, but on GPUs it would hang: {where}. On nccl a point-to-point call, isend "
+            "and irecv included, runs on the GPU after the calls before it and completes only when the other rank's "
+            "matching call runs; only the calls of one dist.batch_isend_irecv run together")
+    else:
+        report.confirmed.append("the order of the sends and receives completes on nccl too (each call outside a "
+                                "batch runs on the GPU in turn)")
 
 
 def _judge_what_it_computed(run: RunResult, reference: dict, report: ExerciseReport) -> None:
@@ -244,7 +352,7 @@ def _judge_what_it_computed(run: RunResult, reference: dict, report: ExerciseRep
         return
     if abs(facts[1]["loss"] - reference["loss"]) > 1e-5:
         report.mistakes.append(f"stage 1's loss {facts[1]['loss']:.6f} is not the unsplit model's "
-                               f"{reference['loss']:.6f} on the exercise's batch")
+                               f"{reference['loss']:.6f} on the exercise's batch (the mean over all 32 samples)")
     else:
         report.confirmed.append("the loss equals the unsplit model's")
     expected = reference["grads"]
@@ -257,6 +365,7 @@ def _judge_what_it_computed(run: RunResult, reference: dict, report: ExerciseRep
         report.mistakes.append(f"no gradient reached {missing[0].split('.')[0]} ({len(missing)} tensors): "
                                "its layers would never learn")
     elif wrong:
-        report.mistakes.append(f"the gradients of {wrong[0]} differ from the unsplit model's")
+        report.mistakes.append(f"the gradients of {wrong[0]} differ from the unsplit model's (the whole batch's mean "
+                               "loss, summed over its micro-batches)")
     else:
         report.confirmed.append("both stages' gradients equal the unsplit model's")

@@ -1,8 +1,9 @@
 """Lesson 1's exercise, 1F1B by hand: the checker names what the script as given does (stage 0 holds all four
 micro-batches), passes the solution shown (hidden) in the notebook and the other right route (the send and the
 receive posted together, as torch's Schedule1F1B does), and refuses what runs but is not 1F1B: both stages sending
-first (a hang), an isend before the recv (finishes on gloo, hangs on nccl), one micro-batch at a time (stage 1
-starved), and the shortcuts that skip the pipeline: the gradient never sent back, the activations never sent
+first (a hang), an isend before the recv (finishes on gloo, can hang on nccl), the next activation sent only after
+the backward (stage 1 starved), forwards hidden from what the rank measures (activation checkpointing), the last stage
+left as GPipe, and the shortcuts that skip the pipeline: the gradient never sent back, the activations never sent
 (each rank computing the whole model itself), the wrong tensor sent, a stage handed the other's data (the inputs
 are rank 0's and the labels rank 1's, each from that rank's secret). The scripts are taken from the notebook."""
 
@@ -97,24 +98,89 @@ def test_an_isend_before_the_recv_finishes_here_but_would_hang_on_nccl(write_scr
     run, report = judged(write_script, isend)
     assert run.ok, failure_report(run)
     text = str(report)
-    assert not report.passed and "on GPUs it would hang: rank 0 in its isend to rank 1" in text, text
+    assert not report.passed and "on GPUs it can hang, rank 0 in its isend to rank 1" in text, text
     assert "both stages' gradients equal the unsplit model's" in text, text
 
 
-def test_one_micro_batch_at_a_time_starves_stage_one(write_script, sources):
-    sequential = stage_zero_loop(sources[1], """\
+def test_the_activation_sent_after_the_backward_starves_stage_one(write_script, sources):
+    # The next forward runs before the gradient comes back, but its activation leaves only after the backward.
+    late = stage_zero_loop(sources[1], """\
     for k in range(m):
+        if k + 1 < m:
+            activations[k + 1] = stage(micro_inputs[k + 1])
         grad = torch.empty_like(activations[k])
         dist.recv(grad, src=1)
         activations.pop(k).backward(grad)
         if k + 1 < m:
-            activations[k + 1] = stage(micro_inputs[k + 1])
             dist.send(activations[k + 1].detach(), dst=1)
 """)
-    run, report = judged(write_script, sequential)
+    run, report = judged(write_script, late)
     assert run.ok, failure_report(run)
     text = str(report)
-    assert not report.passed and "when stage 0 called for gradient 0 (its recv) it held 1 micro-batch's" in text, text
+    assert not report.passed and "ran micro-batch 0's backward before it sent micro-batch 1's activation" in text, text
+
+
+def test_forwards_hidden_from_autograds_count_are_named(write_script, sources):
+    # GPipe with two forwards under activation checkpointing: autograd saves (and the rank sees) only two of four.
+    hidden = sources[0].replace(
+        "        activations.append(stage(micro_inputs[k]))\n",
+        "        if k < 2:\n"
+        "            import torch.utils.checkpoint\n"
+        "            activations.append(torch.utils.checkpoint.checkpoint(stage, micro_inputs[k], use_reentrant=False))\n"
+        "        else:\n"
+        "            activations.append(stage(micro_inputs[k]))\n")
+    assert hidden != sources[0]
+    run, report = judged(write_script, hidden)
+    assert run.ok, failure_report(run)
+    text = str(report)
+    assert not report.passed and "seen saving the activations of only 2 of stage 0's 4 forwards" in text, text
+
+
+def test_the_last_stage_holding_every_micro_batch_fails(write_script, sources):
+    # Stage 0 sends every activation first, computed without autograd, then recomputes one ahead: stage 0 holds
+    # little, but stage 1 is the given GPipe, holding all four.
+    given_stage_one = sources[0][sources[0].index("else:\n    micro_targets"):sources[0].index('record("grads"')]
+    recompute = stage_zero_loop(sources[1], """\
+    for k in range(m):
+        if k + 1 < m:
+            activations[k + 1] = stage(micro_inputs[k + 1])
+        grad = torch.empty_like(activations[k])
+        dist.recv(grad, src=1)
+        activations.pop(k).backward(grad)
+""").replace("    dist.send(activations[0].detach(), dst=1)\n",
+             "    with torch.no_grad():\n"
+             "        for k in range(m):\n"
+             "            dist.send(stage(micro_inputs[k]), dst=1)\n")
+    solution_stage_one = recompute[recompute.index("else:\n    micro_targets"):recompute.index('record("grads"')]
+    recompute = recompute.replace(solution_stage_one, given_stage_one)
+    run, report = judged(write_script, recompute)
+    assert run.ok, failure_report(run)
+    text = str(report)
+    assert not report.passed and "stage 1, the last stage, held the activations of 4 micro-batches" in text, text
+
+
+def test_a_receive_posted_early_and_gradients_averaged_at_the_end_pass(write_script, sources):
+    # Two more right routes: stage 0 posts each gradient's irecv before the next forward (waited on after it), and
+    # both stages average at the end instead of dividing each micro-batch's loss (so m times the gradients cross).
+    early = stage_zero_loop(sources[1], """\
+    for k in range(m):
+        grad = torch.empty_like(activations[k])
+        pending = dist.irecv(grad, src=1)
+        if k + 1 < m:
+            activations[k + 1] = stage(micro_inputs[k + 1])
+        pending.wait()
+        if k + 1 < m:
+            dist.send(activations[k + 1].detach(), dst=1)
+        activations.pop(k).backward(grad)
+    for p in stage.parameters():
+        p.grad /= m
+""").replace("micro_targets[k]) / m\n", "micro_targets[k])\n").replace(
+        '    record("loss", sum(losses))\n',
+        '    for p in stage.parameters():\n        p.grad /= m\n    record("loss", sum(losses) / m)\n')
+    assert early.count("p.grad /= m") == 2
+    run, report = judged(write_script, early)
+    assert run.ok, failure_report(run)
+    assert report.passed, str(report)
 
 
 def test_a_fix_that_runs_but_never_sends_the_gradient_back_fails(write_script, sources):
@@ -125,7 +191,7 @@ def test_a_fix_that_runs_but_never_sends_the_gradient_back_fails(write_script, s
     assert wrong.count("dist.send") == 2 and "dist.recv(grad" not in wrong
     run, report = judged(write_script, wrong)
     assert run.ok, failure_report(run)
-    assert "no gradient reached stage0" in str(report), str(report)
+    assert "no gradient reached stage 0" in str(report), str(report)
 
 
 WHOLE_MODEL = (  # every rank computes the whole model on the whole batch itself

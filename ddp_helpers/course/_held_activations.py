@@ -104,3 +104,13 @@ def held_at_call(changes: list, number: int) -> int:
 
 def peak(changes: list) -> int:
     return max((now for _, now in changes), default=0)
+
+
+def saved_in_all(changes: list) -> int:
+    """The bytes autograd was seen saving over the whole run (each increase of what it held, added up): one
+    micro-batch's activations for each forward run with autograd and measured."""
+    total, before = 0, 0
+    for _, now in changes:
+        total += max(0, now - before)
+        before = now
+    return total

@@ -15,7 +15,6 @@ also finish on GPUs (`nccl_order`); and loss and gradients equal the unsplit mod
 
 from __future__ import annotations
 
-import re
 
 from ... import _held_activations
 from ...exercises import ExerciseReport, side_channels, opening
@@ -135,14 +134,19 @@ def exercise_reference(secrets: list[int]):
             "loss": sum(loss.item() for loss in losses), "grads": grads}
 
 
-def one_micro_batch_held() -> int:
-    """The bytes autograd holds for backward after stage 0's forward of one micro-batch, measured here as the rank
-    measures them (`_held_activations`): the unit the checker counts micro-batches in."""
+def one_micro_batch_held(stage: int) -> int:
+    """The bytes autograd holds for backward after one micro-batch's forward on `stage` (the last stage's with its
+    loss), measured here as the rank measures them (`_held_activations`): the unit the checker counts in."""
     import torch
 
+    model = unsplit_model(64)
     counter = _held_activations.HeldForBackward()
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        output = unsplit_model(64)[:4](torch.zeros(MICRO_BATCH, 16))
+        if stage == 0:
+            output = model[:4](torch.zeros(MICRO_BATCH, 16))
+        else:
+            received = torch.zeros(MICRO_BATCH, 32, requires_grad=True)
+            output = torch.nn.functional.cross_entropy(model[4:](received), torch.zeros(MICRO_BATCH, dtype=torch.long))
     del output
     return counter.peak
 
@@ -187,12 +191,15 @@ def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
                                                 "two micro-batches and kept stage 1 fed, the order would run on GPUs "
                                                 "too, and the pipeline computes exactly what the unsplit model does.")
     if run.timed_out:
+        # The hang report says what each rank waits in ("recv from rank 1", "irecv from rank 1": its wait()).
+        states = {state.rank: state for state in (run.hang.ranks if run.hang else ())}
         where, calls = [], set()
         for r in run.ranks:
-            lines = re.findall(r'exercise\.py", line (\d+)', r.stderr)
-            call = "recv" if "in recv" in r.stderr else "send" if "in send" in r.stderr else "?"
-            calls.add(call)
-            where.append(f"rank {r.rank} in {call} (line {lines[-1] if lines else '?'} of the cell)")
+            state = states.get(r.rank)
+            waiting = state.waiting_in if state and state.waiting_in else "?"
+            line = state.line.replace("line ", "") if state and state.line else "?"
+            calls.add(waiting.split(" ")[0])
+            where.append(f"rank {r.rank} in {waiting} (line {line} of the cell)")
         why = (" A send here returns only once the other rank has received it (on GPUs, nccl's returns at once but "
                "the GPU waits the same way), so two ranks that both send first wait for each other."
                if calls == {"send"} else "")
@@ -208,7 +215,7 @@ def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
         return report
     reference = exercise_reference(secrets)
     _judge_what_crossed(run, reference, report)
-    _judge_the_schedule(run, report)
+    _judge_the_schedule(run, reference, report)
     _judge_what_it_computed(run, reference, report)
     return report
 
@@ -255,12 +262,17 @@ def _judge_what_crossed(run: RunResult, reference: dict, report: ExerciseReport)
         report.confirmed.append("each micro-batch's activation went from rank 0 to rank 1 (seen by the launcher: "
                                 "send and recv)")
     sent_back, received_back = _messages(run, 1, 0, shape)
-    wrong_back = (_all_carried(sent_back, reference["activation_grads"])
-                  if sent_back else None)
-    if wrong_back is None and sent_back:
-        wrong_back = _all_carried(received_back, reference["activation_grads"], unknown_passes=True)
+    # The gradient of the whole batch's mean loss, or m times it (each micro-batch's mean loss, the gradients
+    # divided by m at the end: as right).
+    def first_missing(scale: int) -> int | None:
+        expected = [scale * g for g in reference["activation_grads"]]
+        missing = _all_carried(sent_back, expected)
+        return missing if missing is not None else _all_carried(received_back, expected, unknown_passes=True)
+
+    misses = [first_missing(scale) for scale in (1, MICRO_BATCHES)]
+    wrong_back = None if None in misses else misses[0]
     if not sent_back or not received_back:
-        report.mistakes.append("no gradient reached stage0 from rank 1: nothing of the activation's shape came back, "
+        report.mistakes.append("no gradient reached stage 0 from rank 1: nothing of the activation's shape came back, "
                                "so stage 0's layers would learn nothing from the loss")
     elif wrong_back is not None:
         report.mistakes.append(f"what came back from rank 1 to rank 0 does not include the gradient of the loss (the "
@@ -296,50 +308,95 @@ def _gradient_receives(calls: list[dict]) -> list[dict]:
             and c.get("shape") == [MICRO_BATCH, 32]]
 
 
-def _judge_the_schedule(run: RunResult, report: ExerciseReport) -> None:
-    """1F1B on stage 0: at most two micro-batches' activations held at once; the next micro-batch's forward run
-    before each gradient is called for (but the last); and an order of calls that nccl also completes."""
-    changes = records(run)[0].held_for_backward
-    unit = one_micro_batch_held()
-    if not changes:
+def _judge_the_schedule(run: RunResult, reference: dict, report: ExerciseReport) -> None:
+    """1F1B: stage 0 ran each micro-batch's forward with autograd (seen saving its activations), held at most two
+    micro-batches' activations at once, and sent the next micro-batch's activation before each backward; the last
+    stage held one; and an order of calls that nccl also completes."""
+    held = [records(run)[rank].held_for_backward for rank in (0, 1)]
+    units = [one_micro_batch_held(0), one_micro_batch_held(1)]
+    if not held[0]:
         report.mistakes.append("no activations were seen held on stage 0: the rank measures what autograd saves for "
                                "backward once my_inputs() is called; stage 0's forwards must run after it, with autograd")
         return
-    most = _held_activations.peak(changes)
-    if most > (IN_FLIGHT + 0.5) * unit:
-        report.mistakes.append(f"stage 0 held the activations of {most / unit:.0f} micro-batches at once ({most:,} "
-                               f"bytes saved for backward; one micro-batch's are {unit:,}): at most {IN_FLIGHT} may be "
-                               "in flight on stage 0. When can a micro-batch's activations be let go?")
-    else:
-        report.confirmed.append(f"stage 0 held at most {_micro_batches(round(most / unit))} activations at once "
-                                f"({most:,} bytes; one micro-batch's are {unit:,})")
-    calls = [list(records(run)[rank].point_to_point) for rank in (0, 1)]
-    receives = _gradient_receives(calls[0])
-    starved = [(k, _held_activations.held_at_call(changes, c["number"]))
-               for k, c in enumerate(receives[:MICRO_BATCHES - 1]) if "number" in c]
-    starved = [(k, held) for k, held in starved if held < (IN_FLIGHT - 0.5) * unit]
-    if starved:
-        k, held = starved[0]
+    seen = _held_activations.saved_in_all(held[0]) / units[0]
+    if seen < MICRO_BATCHES - 0.5:
         report.mistakes.append(
-            f"when stage 0 called for gradient {k} (its {receives[k]['op']}) it held {_micro_batches(round(held / unit))} "
-            "activations: the next micro-batch's forward had not run, so "
-            "stage 1 waits while stage 0 computes it, and the pipeline's idle time grows back to one micro-batch "
-            "at a time")
-    elif len(receives) >= MICRO_BATCHES:
-        report.confirmed.append("whenever stage 0 called for a gradient (but the last), it had already run the next "
-                                "micro-batch's forward: stage 1 was kept fed")
+            f"autograd was seen saving the activations of only {seen:.0f} of stage 0's {MICRO_BATCHES} forwards: the "
+            "others ran where the rank cannot measure what they hold (under torch.no_grad, saved-tensor hooks of your "
+            "own, or activation checkpointing). This exercise's memory is the schedule's: run each forward with "
+            "plain autograd")
+        return
+    most = _held_activations.peak(held[0])
+    if most > (IN_FLIGHT + 0.5) * units[0]:
+        report.mistakes.append(f"stage 0 held the activations of {most / units[0]:.0f} micro-batches at once "
+                               f"({most:,} bytes saved for backward; one micro-batch's are {units[0]:,}): stage 0 may "
+                               f"hold at most {IN_FLIGHT}. When can a micro-batch's activations be let go?")
+    else:
+        report.confirmed.append(f"stage 0 held at most {_micro_batches(round(most / units[0]))} activations at once "
+                                f"({most:,} bytes; one micro-batch's are {units[0]:,})")
+    last = _held_activations.peak(held[1])
+    if last > 1.5 * units[1]:
+        report.mistakes.append(f"stage 1, the last stage, held the activations of {last / units[1]:.0f} micro-batches "
+                               f"at once ({last:,} bytes; one micro-batch's are {units[1]:,}): in 1F1B the last stage "
+                               "holds one (p − i with i = 1 of p = 2)")
+    calls = [list(records(run)[rank].point_to_point) for rank in (0, 1)]
+    late = _activation_sent_after_backward(calls, reference)
+    if late is not None:
+        report.mistakes.append(
+            f"stage 0 ran micro-batch {late}'s backward before it sent micro-batch {late + 1}'s activation: stage 1, "
+            "done with micro-batch {late}, has nothing to compute until that backward ends".replace("{late}", str(late)))
+    else:
+        report.confirmed.append("stage 0 sent each next micro-batch's activation before the previous one's backward: "
+                                "stage 1 was kept fed")
     stuck = stuck_on_nccl(calls)
     if stuck:
-        where = ", ".join(f"rank {rank} in its {call['op']} {'to' if 'send' in call['op'] else 'from'} rank {1 - rank} "
-                          f"(its call {call.get('number', '?')})"
-                          for rank, call in sorted(stuck.items()))
+        order = lambda number: {1: "1st", 2: "2nd", 3: "3rd"}.get(number, f"{number}th")  # noqa: E731
+        where = " and ".join(f"rank {rank} in its {call['op']} {'to' if 'send' in call['op'] else 'from'} rank "
+                             f"{1 - rank} (its {order(call.get('number', 0))} send or receive)"
+                             for rank, call in sorted(stuck.items()))
         report.mistakes.append(
-            f"this order finishes on gloo, but on GPUs it would hang: {where}. On nccl a point-to-point call, isend "
-            "and irecv included, runs on the GPU after the calls before it and completes only when the other rank's "
-            "matching call runs; only the calls of one dist.batch_isend_irecv run together")
+            f"this order finishes on gloo, but on GPUs it can hang, {where} each waiting for the other's: on nccl "
+            "every send or receive, isend and irecv included, runs on the GPU after the rank's earlier ones with the "
+            "same peer and may not complete until the other rank's matching call runs")
     else:
-        report.confirmed.append("the order of the sends and receives completes on nccl too (each call outside a "
-                                "batch runs on the GPU in turn)")
+        report.confirmed.append("the order of the sends and receives completes on nccl too (where each runs on the GPU "
+                                "after the earlier ones with the same peer)")
+
+
+def _activation_sent_after_backward(calls: list[list[dict]], reference: dict) -> int | None:
+    """The first micro-batch k whose backward on stage 0 ran before stage 0 sent micro-batch k + 1's activation (as
+    rank 0's log orders its calls), or None. Micro-batches are told apart by the values sent; a backward by the
+    gradient it used (the receive whose tensor it took, and which of rank 1's sends that receive matched)."""
+    import torch
+
+    def matches(message, expected) -> bool:
+        return "values" in message and any(torch.allclose(torch.tensor(message["values"], dtype=torch.float64),
+                                                          scale * expected.double().flatten(), atol=1e-5, rtol=1e-4)
+                                           for scale in (1, MICRO_BATCHES))
+
+    shape = list(reference["activations"][0].shape)
+    position = {call_index: i for i, call_index in enumerate(range(len(calls[0])))}
+    sends = [(i, c) for i, c in enumerate(calls[0]) if c.get("op", "").endswith("send") and c.get("peer") == 1]
+    sent_at = {k: next((i for i, c in sends if matches(c, a)), None) for k, a in enumerate(reference["activations"])}
+    # Rank 1's gradients in the order it sent them: the n-th gradient rank 0 received is the n-th rank 1 sent.
+    sent_back = [c for c in calls[1] if c.get("op", "").endswith("send") and c.get("peer") == 0 and c.get("shape") == shape]
+    micro_of = [next((k for k, g in enumerate(reference["activation_grads"]) if matches(c, g)), None) for c in sent_back]
+    receives = [i for i, c in enumerate(calls[0]) if c.get("op", "").endswith("recv")]  # numbered as the log numbers them
+    gradient_receives = [n for n, i in enumerate(receives) if calls[0][i].get("shape") == shape
+                         and calls[0][i].get("peer") in (1, None)]
+    backward_at = {}
+    for order, receive in enumerate(gradient_receives):
+        k = micro_of[order] if order < len(micro_of) else None
+        used = next((i for i, c in enumerate(calls[0]) if c.get("op") == "backward" and receive in c.get("received_used", ())),
+                    None)
+        if k is not None and used is not None:
+            backward_at[k] = used
+    for k in range(MICRO_BATCHES - 1):
+        if sent_at.get(k + 1) is None or backward_at.get(k) is None:
+            continue  # not told apart: what crossed is judged, and named, elsewhere
+        if position[backward_at[k]] < position[sent_at[k + 1]]:
+            return k
+    return None
 
 
 def _judge_what_it_computed(run: RunResult, reference: dict, report: ExerciseReport) -> None:

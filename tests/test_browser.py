@@ -55,6 +55,9 @@ LESSON_EXPECTATIONS = {lesson.notebook: lesson.browser for lesson in lessons().v
 # Seconds with no cell running and cells left unrun after which Run All has stopped at an error (Run All
 # queues every cell at once, so between two cells some cell is always queued or running).
 RUN_ALL_STOPPED_S = 4
+# The notebooks this run of the module executed and saved: the site is built from them (test_the_site_...).
+EXECUTED_HERE: set[str] = set()
+SITE = ROOT / "test-artifacts" / "site"
 # Text forms that mean a widget did not render as a widget.
 WIDGET_TEXT_FORMS = ("IntSlider(", "VBox(children", "sliders need a live Jupyter kernel")
 
@@ -306,6 +309,7 @@ def test_notebook_runs_in_jupyterlab(browser, lab, notebook):
         # The run as JupyterLab saved it, outputs included: every output a learner saw, to read afterwards.
         EXECUTED.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(lab.root / "notebooks" / notebook.name, EXECUTED / notebook.name)
+        EXECUTED_HERE.add(notebook.name)
         assert not problems, f"{notebook.name}:\n" + "\n---\n".join(problems)[:4000]
 
         texts = output_texts(page)
@@ -502,3 +506,83 @@ def test_a_cell_that_never_ran_is_named():
 def test_jupyterlab_shuts_down_leaving_no_process(lab, browser):
     survivors = lab.stop()
     assert survivors == [], f"processes of the JupyterLab run still alive after shutdown: {survivors}"
+
+
+def test_the_site_built_from_these_runs_reads_as_the_lessons_did(browser):
+    """The course's static site (website/build.py, `scripts/build_site.sh`), built from the notebooks this module's
+    JupyterLab runs saved, and read page by page in Chromium: no console error and no request beyond the site; every
+    image loaded; every link inside the site leads to a page; each lesson shows its ranks in their colours, the ✓
+    check and the plots its run made, with how to run it and what its outputs were made on; lesson 5 its hang
+    report; no traceback but in the cells that fail on purpose, and those marked; every solution folded; and the
+    search finds lesson 2 for set_epoch."""
+    import functools
+    import http.server
+    import threading
+    import urllib.parse
+
+    from ddp_helpers.output import rank_color
+
+    if EXECUTED_HERE != {notebook.name for notebook in NOTEBOOKS}:
+        pytest.skip("the site is built from the notebooks this module's JupyterLab runs saved: run the whole module")
+    began = time.monotonic()
+    subprocess.run([sys.executable, str(ROOT / "website" / "build.py"), "--executed", str(EXECUTED), "--out", str(SITE)],
+                   check=True, timeout=300)
+    print(f"site built in {time.monotonic() - began:.1f} s")
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(SITE))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}/"
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    problems: list[str] = []
+    page.on("console", lambda message: problems.append(f"console: {message.text}") if message.type == "error" else None)
+    page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+    page.on("request", lambda request: None if request.url.startswith(base) or request.url.startswith("data:")
+            else problems.append(f"a request beyond the site: {request.url}"))
+    rgb = lambda hex_color: "rgb({},{},{})".format(*(int(hex_color[i:i + 2], 16) for i in (1, 3, 5)))  # noqa: E731
+    try:
+        pages = ["index.html", "reference.html"] + [f"lessons/{Path(n).stem}.html" for n in LESSON_EXPECTATIONS]
+        links = set()
+        for path in pages:
+            page.goto(base + path)
+            page.wait_for_load_state("networkidle")
+            assert page.evaluate("() => [...document.images].every(i => i.complete && i.naturalWidth > 0)"), \
+                f"{path}: an image did not load"
+            for href in page.evaluate("() => [...document.querySelectorAll('a[href]')].map(a => a.href)"):
+                if href.startswith(base):
+                    links.add(urllib.parse.urlsplit(href).path.lstrip("/"))
+            text = page.inner_text("body")
+            if path.startswith("lessons/"):
+                expected = LESSON_EXPECTATIONS[Path(path).stem + ".ipynb"]
+                for rank in (0, 1):
+                    assert page.locator(f'span[style*="{rgb(rank_color(rank))}"]', has_text=f"[rank {rank}]").count(), \
+                        f"{path}: rank {rank}'s output should show in its colour"
+                assert "Run it yourself" in text and "The outputs below were made on" in text, path
+                if expected.confirmed:
+                    assert expected.confirmed in " ".join(text.split()), f"{path}: its check {expected.confirmed!r}"
+                plots = page.locator(".cell_output img").count()
+                assert plots >= expected.plots, f"{path}: {expected.plots} plots expected, {plots} shown"
+                unmarked = page.evaluate(
+                    "() => [...document.querySelectorAll('div.cell')].filter(c => c.innerText.includes("
+                    "'Traceback (most recent call last)') && !c.querySelector('.fails-on-purpose'))"
+                    ".map(c => c.innerText.slice(0, 200))")
+                assert not unmarked, f"{path}: a traceback in a cell not marked as failing on purpose: {unmarked}"
+                assert page.evaluate("() => [...document.querySelectorAll('details')].every(d => !d.open)"), \
+                    f"{path}: a solution or answer shown unfolded"
+            if path.startswith("lessons/05_"):
+                assert "What each rank was waiting in when the run timed out" in text, "lesson 5's hang report"
+        missing = sorted(link for link in links if not (SITE / (link or "index.html")).is_file()
+                         and not (SITE / link / "index.html").is_file())
+        assert not missing, f"links inside the site that lead nowhere: {missing}"
+        page.goto(base + "search.html?q=set_epoch")
+        page.wait_for_selector("#search-results li a", timeout=20_000)
+        found = page.evaluate("() => [...document.querySelectorAll('#search-results li a')].map(a => a.href)")
+        assert any("02_ddp_basics" in href for href in found), f"the search for set_epoch found {found}"
+        assert not problems, "\n".join(problems)
+    finally:
+        page.close()
+        server.shutdown()
+        server.server_close()

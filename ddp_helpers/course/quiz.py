@@ -92,3 +92,16 @@ def show_quiz(questions: list[Question]) -> None:
         for n, q in enumerate(questions, start=1)
     )
     display_with_fallback(quiz_widget(questions), {"text/plain": as_text})
+
+
+def static_html(questions: list[Question]) -> str:
+    """The quiz for a page without a kernel (the course's static site): each question with its options in the
+    order shown, and the answer with its explanation folded away until the reader opens it."""
+    parts = ['<div class="quiz-static">']
+    for number, question in enumerate(questions, start=1):
+        options = "".join(f"<li>{as_html(option)}</li>" for option in question.shown_options())
+        parts.append(f"<p><b>{number}. {as_html(question.prompt)}</b></p><ul>{options}</ul>"
+                     f"<details><summary>Answer</summary><p>{as_html(question.right_option)}. "
+                     f"{as_html(question.why)}</p></details>")
+    parts.append("</div>")
+    return "".join(parts)

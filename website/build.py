@@ -214,7 +214,10 @@ The launcher's guide, with what each option is for, is `docs/launcher.md` in the
 def _magic_help() -> str:
     from ddp_helpers.magic import TorchrunMagics
 
-    return (TorchrunMagics.torchrun.__doc__ or "").strip()
+    import textwrap
+
+    text = (TorchrunMagics.torchrun.__doc__ or "").strip()
+    return textwrap.dedent(text.removeprefix("::")).strip()  # IPython's usage text is a reST literal block
 
 
 def execute(notebook: Path, into: Path) -> None:

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parent
 # as git's index holds it, i.e. what is committed plus what a contributor has `git add`ed. A learner's
 # JupyterLab autosaves outputs and their own edits into notebooks/: those are neither run nor touched.
 COURSE_ENV = "DDP_LESSONS_COURSE_UNDER_TEST"
+SESSION_STARTED_ENV = "DDP_LESSONS_SESSION_STARTED"
 
 
 def _staged_notebooks() -> dict[str, str] | None:
@@ -69,6 +71,8 @@ def pytest_configure(config):
     _differing_notebooks = _export_course(scratch / "notebooks")
     # Cells the tests run write their scripts and runs here, never into the learner's runs/.
     os.environ.setdefault("DDP_HELPERS_RUNS", str(scratch / "runs"))
+    # When this session began, for every worker: the site test knows a notebook saved since then from an old one.
+    os.environ[SESSION_STARTED_ENV] = repr(time.time())
 
 
 def pytest_report_header(config):
@@ -119,7 +123,8 @@ def _balanced_chains() -> dict[str, str]:
 
 def _browser_chain(item) -> str:
     notebook = getattr(item, "callspec", None) and item.callspec.params.get("notebook")
-    # The test that JupyterLab shuts down cleanly has no notebook: it runs last on the second chain. A notebook
+    # The tests with no notebook (JupyterLab shuts down cleanly; the site, built from both chains' notebooks once
+    # they are done) run last on the second chain. A notebook
     # no manifest names (a test's own) goes by its number's parity.
     if notebook is None:
         return BROWSER_CHAINS[1]

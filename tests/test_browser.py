@@ -55,9 +55,11 @@ LESSON_EXPECTATIONS = {lesson.notebook: lesson.browser for lesson in lessons().v
 # Seconds with no cell running and cells left unrun after which Run All has stopped at an error (Run All
 # queues every cell at once, so between two cells some cell is always queued or running).
 RUN_ALL_STOPPED_S = 4
-# The notebooks this run of the module executed and saved: the site is built from them (test_the_site_...).
-EXECUTED_HERE: set[str] = set()
+# Each notebook's test writes here when it is done, with the session's start: the site test, built from the
+# notebooks this session saved, waits for all of them (they run on two workers).
+ATTEMPTED = ROOT / "test-artifacts" / "attempted"
 SITE = ROOT / "test-artifacts" / "site"
+NOTEBOOKS_WAIT_S = 1500  # the other chain's notebooks, at most: a whole chain's time and then some
 # Text forms that mean a widget did not render as a widget.
 WIDGET_TEXT_FORMS = ("IntSlider(", "VBox(children", "sliders need a live Jupyter kernel")
 
@@ -309,7 +311,6 @@ def test_notebook_runs_in_jupyterlab(browser, lab, notebook):
         # The run as JupyterLab saved it, outputs included: every output a learner saw, to read afterwards.
         EXECUTED.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(lab.root / "notebooks" / notebook.name, EXECUTED / notebook.name)
-        EXECUTED_HERE.add(notebook.name)
         assert not problems, f"{notebook.name}:\n" + "\n---\n".join(problems)[:4000]
 
         texts = output_texts(page)
@@ -350,6 +351,9 @@ def test_notebook_runs_in_jupyterlab(browser, lab, notebook):
         raise
     finally:
         page.close()
+        # Done with this notebook, saved or not: the site test (on the other chain, maybe) waits for every one.
+        ATTEMPTED.mkdir(parents=True, exist_ok=True)
+        (ATTEMPTED / notebook.name).write_text(os.environ.get("DDP_LESSONS_SESSION_STARTED", ""))
 
 
 def check_line_numbers(page) -> None:
@@ -508,7 +512,7 @@ def test_jupyterlab_shuts_down_leaving_no_process(lab, browser):
     assert survivors == [], f"processes of the JupyterLab run still alive after shutdown: {survivors}"
 
 
-def test_the_site_built_from_these_runs_reads_as_the_lessons_did(browser):
+def test_the_site_built_from_these_runs_reads_as_the_lessons_did(browser, request):
     """The course's static site (website/build.py, `scripts/build_site.sh`), built from the notebooks this module's
     JupyterLab runs saved, and read page by page in Chromium: no console error and no request beyond the site; every
     image loaded; every link inside the site leads to a page; each lesson shows its ranks in their colours, the ✓
@@ -522,8 +526,20 @@ def test_the_site_built_from_these_runs_reads_as_the_lessons_did(browser):
 
     from ddp_helpers.output import rank_color
 
-    if EXECUTED_HERE != {notebook.name for notebook in NOTEBOOKS}:
-        pytest.skip("the site is built from the notebooks this module's JupyterLab runs saved: run the whole module")
+    names = {notebook.name for notebook in NOTEBOOKS}
+    session = os.environ.get("DDP_LESSONS_SESSION_STARTED", "")
+    runs_them = {item.callspec.params["notebook"].name for item in request.session.items
+                 if item.originalname == "test_notebook_runs_in_jupyterlab"}
+    if runs_them != names:
+        pytest.skip("the site is built from the notebooks this session's JupyterLab runs saved: run the whole module")
+    deadline = time.monotonic() + NOTEBOOKS_WAIT_S
+    done = lambda name: (ATTEMPTED / name).is_file() and (ATTEMPTED / name).read_text() == session  # noqa: E731
+    while not all(done(name) for name in names):
+        assert time.monotonic() < deadline, f"notebooks never done: {sorted(n for n in names if not done(n))}"
+        time.sleep(2)
+    stale = sorted(name for name in names if not (EXECUTED / name).is_file()
+                   or (EXECUTED / name).stat().st_mtime < float(session))
+    assert not stale, f"no notebook saved by this session's JupyterLab for {stale}: their tests above say why"
     began = time.monotonic()
     subprocess.run([sys.executable, str(ROOT / "website" / "build.py"), "--executed", str(EXECUTED), "--out", str(SITE)],
                    check=True, timeout=300)

@@ -22,6 +22,9 @@ def check(condition: bool, confirmed: str, went_wrong: str) -> None:
     Example:
         >>> check(len(set(ids)) == 1, "every rank sees the same weights", f"weights differ: {ids}")
     """
+    from .progress import note_check
+
+    note_check(confirmed, bool(condition))  # the learner's progress: this lesson's check, passed or not
     if not condition:
         raise LessonCheckFailed(went_wrong)
     print("\u2713 " + wrapped(confirmed, 2))

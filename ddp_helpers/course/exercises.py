@@ -23,6 +23,8 @@ class ExerciseReport:
     # Said in place of the mistakes, which stay unnamed (a checker's first look at the exercise as given: the
     # learner looks for them first). The mistakes still count: the report has not passed.
     withheld: str = ""
+    # The learner's progress in the lesson, said after the verdict (`progress.records_progress` fills it in).
+    progress: str = ""
 
     @property
     def passed(self) -> bool:
@@ -37,7 +39,7 @@ class ExerciseReport:
             if self.passed
             else f"{count} mistake{'s' if count > 1 else ''} to fix: edit the exercise cell and run it again."
         )
-        return "\n".join([*lines, verdict])
+        return "\n".join([*lines, verdict, *([self.progress] if self.progress else [])])
 
     def _repr_pretty_(self, printer, cycle) -> None:
         printer.text(str(self))

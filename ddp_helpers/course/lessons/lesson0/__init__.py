@@ -17,6 +17,7 @@ from ...exercises import ExerciseReport, opening, run_again, side_channels
 from ....recording import rank_secret
 from ....result import RunResult
 from ...records import records
+from ...progress import records_progress
 
 # The other world size the cell is run at, after the one the learner chose.
 SECOND_WORLD_TIMEOUT_S = 60.0
@@ -32,6 +33,7 @@ def my_number() -> float:
     return number_of(rank_secret())
 
 
+@records_progress  # the learner's progress notes whether this run passed
 def check_mean_exercise(run: RunResult, *, second_world: bool = True) -> ExerciseReport:
     """Name what is wrong with the learner's run of the exercise, or confirm it."""
     report = ExerciseReport(verdict_when_passed="All checks pass: every rank holds the mean of all the ranks' "

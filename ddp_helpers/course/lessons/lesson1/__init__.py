@@ -22,6 +22,7 @@ from ...nccl_order import stuck_on_nccl
 from ....recording import rank_secret
 from ....result import RunResult
 from ...records import records
+from ...progress import records_progress
 
 MICRO_BATCHES, MICRO_BATCH = 4, 8  # the exercise's batch of 32, cut into 4 micro-batches of 8
 ACTIVATION_BYTES = MICRO_BATCH * 32 * 4  # one micro-batch's activation at the cut (float32); its gradient the same
@@ -178,6 +179,7 @@ def _all_carried(messages: list[dict], expected: list, **kwargs) -> int | None:
     return next((k for k, tensor in enumerate(expected) if not _carried(messages, tensor, **kwargs)), None)
 
 
+@records_progress  # the learner's progress notes whether this run passed
 def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
     """Name what is wrong with the learner's 1F1B pipeline run, or confirm it.
 

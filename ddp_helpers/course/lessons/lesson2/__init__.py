@@ -33,6 +33,7 @@ from ...exercises import ExerciseReport, all_reduced_values, own_gradients_unsee
 from ....recording import rank_secret
 from ....result import RunResult
 from ...records import records
+from ...progress import records_progress
 
 CHECKPOINT_NAME = "checkpoint.pt"
 DATASET_SIZE = 64  # the exercise's TensorDataset
@@ -73,6 +74,7 @@ AS_GIVEN = ("went through the data in the same order on every rank", "each wrote
             "keys start with 'module.'")
 
 
+@records_progress  # the learner's progress notes whether this run passed
 def check_training_exercise(run: RunResult, name_mistakes: bool = False) -> ExerciseReport:
     """Name each mistake of lesson 2's exercise that the run shows; on a run that makes just the three the exercise
     is given with, say so without naming them, unless `name_mistakes`."""

@@ -28,6 +28,7 @@ from ...exercises import ExerciseReport, per_share_gradients, opening
 from ....recording import rank_secret
 from ....result import RunResult
 from ...records import records
+from ...progress import records_progress
 
 EXERCISE_STEPS = 5
 EXERCISE_BATCH = 16  # samples per rank per step
@@ -156,6 +157,7 @@ def exercise_reference(secrets: list[int]):
     return model, optimizer
 
 
+@records_progress  # the learner's progress notes whether this run passed
 def check_sharded_training_exercise(run: RunResult) -> ExerciseReport:
     """Name what keeps the exercise's training over its memory budget, or its checkpoint from resuming at another
     world size, or confirm it keeps both."""

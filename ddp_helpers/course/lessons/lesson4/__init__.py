@@ -34,6 +34,7 @@ from ...exercises import FAILED, TIMED_OUT, ExerciseReport, opening
 from ....flight_recorder import ALL_REDUCE_OPS
 from ....result import RunResult
 from ...records import records
+from ...progress import records_progress
 
 _STEP_DONE = re.compile(r"^step (\d+) done", flags=re.M)
 SNAPSHOT_NAME = "snapshot.pt"
@@ -45,6 +46,7 @@ def steps_done(text: str) -> list[int]:
     return [int(number) for number in _STEP_DONE.findall(text)]
 
 
+@records_progress  # the learner's progress notes whether this run passed
 def check_resume_exercise(run: RunResult) -> ExerciseReport:
     """Name what keeps the killed-and-restarted run from ending as an uninterrupted one, or confirm it does."""
     report = ExerciseReport(verdict_when_passed="All checks pass: killed and restarted, the training ends bitwise "

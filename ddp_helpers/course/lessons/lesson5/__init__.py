@@ -31,6 +31,7 @@ from ...exercises import ExerciseReport, all_reduced_values, own_gradients_unsee
 from ....recording import rank_secret
 from ....result import RunResult
 from ...records import records
+from ...progress import records_progress
 
 STEPS = 20
 BATCH = 3  # per rank and step: small enough that, now and then, all of a rank's batch is dropped
@@ -169,6 +170,7 @@ def skipped_steps(secrets: list[int]) -> dict[int, list[int]]:
             for rank, secret in enumerate(secrets)}
 
 
+@records_progress  # the learner's progress notes whether this run passed
 def check_hang_exercise(run: RunResult) -> ExerciseReport:
     """Name what is wrong with the learner's run of the exercise, or confirm it."""
     import torch

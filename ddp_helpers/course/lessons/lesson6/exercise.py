@@ -40,6 +40,7 @@ from ....flight_recorder import ALL_REDUCE_OPS, torch_dtype_name
 from ....recording import rank_secret
 from ....result import RunResult
 from ...records import records
+from ...progress import records_progress
 
 STEPS = 30
 BATCH = 32  # per rank and step
@@ -198,6 +199,7 @@ def rank_bytes(rank) -> int:
     return collectives + rank.channel_bytes.get("sent_bytes", 0)
 
 
+@records_progress  # the learner's progress notes whether this run passed
 def check_compression_exercise(run: RunResult) -> ExerciseReport:
     """Name what is wrong with the learner's compressed training, or confirm it (see the module docstring)."""
     report = ExerciseReport(verdict_when_passed="All checks pass: every step sent at most a quarter of the bytes the "

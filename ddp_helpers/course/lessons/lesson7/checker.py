@@ -28,6 +28,7 @@ from . import values
 from .exercise import (BACKWARD_FACT, BUCKET_CAP_BYTES, STEPS, WEIGHT_TOLERANCE, exercise_reference,
                                local_gradients, plain_model)
 from ...records import records
+from ...progress import records_progress
 
 SECOND_WORLD = 3
 SECOND_WORLD_TIMEOUT_S = 120
@@ -85,6 +86,7 @@ KEEP_THE_FACTS = ("keep the model from exercise_model(), the training loop and t
                   "checker reads every rank's weights and when each backward ran")
 
 
+@records_progress  # the learner's progress notes whether this run passed
 def check_my_ddp_exercise(run: RunResult, *, second_world: bool = True) -> ExerciseReport:
     """Name what is wrong with the learner's MyDDP, or confirm it (see the module docstring)."""
     report = ExerciseReport(verdict_when_passed="All checks pass: your MyDDP trains as DDP does, in buckets of the "

@@ -135,7 +135,8 @@ def _browser_chain(item) -> str:
 # browser, the Slurm cluster, and the launches that wait out timers, restarts, cold starts or many runs.
 # A lesson's tests are slow where its manifest says so (`ddp_helpers/course/lessons/lessonN/lesson.toml`).
 SLOW_FILES = {"test_browser.py", "test_slurm.py", "test_hang.py", "test_exit_abort.py", "test_cleanup.py", "test_agents.py",
-              "test_hostile.py", "test_warm.py", "test_launch_lesson.py", "test_without_the_course.py"} | {
+              "test_hostile.py", "test_warm.py", "test_launch_lesson.py", "test_without_the_course.py",
+              "test_workshop.py"} | {
     test for lesson in lessons().values() if lesson.slow for test in lesson.tests}
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 course = Path(__file__).resolve().parent.parent.parent
 state = Path(os.environ.get("DDP_LESSONS_HUB_STATE", "/var/lib/ddp-lessons-hub"))  # root's alone: cookies, database
+state.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 c = get_config()  # noqa: F821 - JupyterHub's
 c.JupyterHub.ip = "127.0.0.1"  # loopback only: nothing of the workshop is reachable beyond this machine

@@ -231,7 +231,10 @@ def test_each_part_of_the_lessons_snapshot_is_needed(write_script):
             assert not same, f"{name}: the resumed training should differ from the uninterrupted one"
 
 
-@pytest.mark.parametrize("traps_sigterm", [True, False])
+# The training that traps SIGTERM is run, and checked more strictly (both ranks saved the same step, every step once,
+# the final weights bitwise the uninterrupted training's), by deep dive 4b's own cell in the suite's notebook runs:
+# here, only the training without the trap, which no notebook runs.
+@pytest.mark.parametrize("traps_sigterm", [False])
 def test_a_sigterm_to_torchrun_is_survived_only_by_a_training_that_traps_it(traps_sigterm, tmp_path, monkeypatch):
     """Lesson 4's preemption on this machine: torchrun's agent, sent SIGTERM, passes it to its workers. The
     lesson's training traps it, saves the step both ranks finished and resumes there; without the trap (only

@@ -231,6 +231,7 @@ def test_three_learners_run_lesson_0_at_once_on_one_hub(tmp_path):
         assert "All checks pass" in texts[0], texts[0][-2000:]
         assert "mistake to fix" in texts[1] and "mistake to fix" in texts[2], texts[1][-2000:]
         check_learners_are_apart(learners)
+        check_no_learner_gets_into_anothers_server(learners, hub)
     except BaseException:
         print(f"the hub's log, the end:\n{hub.log_path.read_text()[-6000:]}")
         raise
@@ -277,3 +278,30 @@ def check_learners_are_apart(learners) -> None:
     for line in theirs:
         address = line.split()[3].rsplit(":", 1)[0]
         assert address in ("127.0.0.1", "[::1]", "::1"), f"a learner's process listens beyond loopback: {line}"
+
+
+def check_no_learner_gets_into_anothers_server(learners, hub: Hub) -> None:
+    """Each learner's JupyterLab listens on loopback, where every user of the machine can connect: as every other
+    learner, its API answers without the learner's token with a refusal, never with their files."""
+    import re
+
+    # The single-user servers' own line: "[I ... ServerApp] http://127.0.0.1:PORT/user/NAME/lab/...?token=..."
+    servers = dict(re.findall(r"ServerApp\] http://127\.0\.0\.1:(\d+)/user/([\w-]+)/", hub.log_path.read_text()))
+    servers = {name: int(port) for port, name in servers.items()}
+    assert set(servers) == {account.pw_name for account in learners}, f"the learners' servers: {servers}"
+    probe = textwrap.dedent('''
+        import sys, urllib.request, urllib.error
+        for port, name in zip(sys.argv[1::2], sys.argv[2::2]):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/user/{name}/api/contents", timeout=10) as reply:
+                    print(name, reply.status)
+            except urllib.error.HTTPError as error:
+                print(name, error.code)
+    ''')
+    for account in learners:
+        others = [item for name, port in servers.items() if name != account.pw_name for item in (str(port), name)]
+        answered = as_learner(account, ["/usr/bin/python3", "-c", probe, *others])
+        assert answered.returncode == 0, answered.stderr
+        codes = dict(line.split() for line in answered.stdout.splitlines())
+        assert codes and all(code in ("403", "401", "302") for code in codes.values()), \
+            f"{account.pw_name} reached another learner's server: {codes}"

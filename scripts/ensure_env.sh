@@ -78,15 +78,11 @@ if [ "${installed%% from=*}" != "$project_stamp" ] \
         fi
     fi
     if [ -n "$torch_index" ]; then  # torch alone from that index (its builds carry a local tag: 2.13.0+cpu)
-        "$venv/bin/python" -m pip install --quiet ${DDP_LESSONS_PIP_NO_COMPILE:+--no-compile} --index-url "$torch_index" \
-            "torch==$torch_version" >&2
+        "$venv/bin/python" -m pip install --quiet --index-url "$torch_index" "torch==$torch_version" >&2
     fi
     all_extras="$(printf '%s\n' ${installed_extras//,/ } $extras | sort -u | paste -sd, -)"
-    # One resolve: pyproject's range admits the torch asked for, or pip says they conflict. DDP_LESSONS_PIP_NO_COMPILE=1
-    # (.ci/run) skips byte-compiling every installed module (half a minute of CPU): a throwaway environment's
-    # processes compile what they import, once. A learner's or a workshop's environment keeps pip's default.
-    "$venv/bin/python" -m pip install --quiet ${DDP_LESSONS_PIP_NO_COMPILE:+--no-compile} \
-        "torch==$torch_version" -e "$project_root${all_extras:+[$all_extras]}" >&2
+    # One resolve: pyproject's range admits the torch asked for, or pip says they conflict.
+    "$venv/bin/python" -m pip install --quiet "torch==$torch_version" -e "$project_root${all_extras:+[$all_extras]}" >&2
     echo "$project_stamp from=${torch_index:-pypi} extras=$all_extras" > "$stamp_file"
 fi
 # JupyterLab settings the project ships: pip installs them with the package; refreshed here when

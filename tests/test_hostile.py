@@ -211,10 +211,13 @@ def test_a_huge_exception_message_is_capped_where_it_is_stored_and_shown(write_s
 
 
 ENDLESS_PRINTER = """
-import os
+import os, time
 line = f"rank {os.environ['RANK']} says something again and again " * 3
-while True:
+for _ in range(40_000):  # about 4.5 MB at once: past the launcher's cap on what it keeps of a stream
     print(line)
+while True:  # and never stopping, at a pace that leaves the machine's cores to the rest of the suite
+    print(line)
+    time.sleep(0.001)
 """
 
 # Long enough for a start on a loaded machine (12 s seen for a cold one in the full suite) plus the second

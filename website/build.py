@@ -69,8 +69,9 @@ def _quiz_questions(lesson):
 def provenance(nb, executed_at: float) -> str:
     """When and on what the outputs were made: the file's date, this environment's torch (which ran them), and the
     backend and world size of the lesson's first launch."""
-    found = next((RUN_LINE.search(ANSI.sub("", _output_text(o))) for cell in nb.cells if cell.cell_type == "code"
-                  for o in cell.get("outputs", []) if RUN_LINE.search(ANSI.sub("", _output_text(o)))), None)
+    searched = (RUN_LINE.search(ANSI.sub("", _output_text(o))) for cell in nb.cells if cell.cell_type == "code"
+                for o in cell.get("outputs", []))
+    found = next((match for match in searched if match), None)
     on = "no launch"
     if found:
         ranks, backend = found.groups()

@@ -5,8 +5,8 @@ gradient). Measured in the rank, not reported by the script: `watch` pushes save
 `with`. A tensor autograd saves counts once per storage while any saved copy of it is held. Leaves are left out, and
 views of leaves: the weights and the data, which a step holds whatever its schedule.
 
-Each change is kept with the number of point-to-point calls the script had made by then (`_point_to_point.count`), so
-that a checker reads what the rank held when it made each call (`held_at_call`).
+Each change is kept with the number of point-to-point calls the script had made by then (`_point_to_point.count`):
+what the rank held can be read beside its point-to-point log (the calls' "number").
 
 Rank side: torch is imported only once a rank asks for the measurement (`watch`).
 """
@@ -89,17 +89,6 @@ def watch() -> None:
 
 def summary() -> list[list[int]]:
     return [list(change) for change in changes]
-
-
-def held_at_call(changes: list, number: int) -> int:
-    """Read back: the bytes held when the script made its point-to-point call `number` (counted from 1), from a
-    rank's `changes`."""
-    held = 0
-    for calls_before, now in changes:
-        if calls_before >= number:
-            break
-        held = now
-    return held
 
 
 def peak(changes: list) -> int:

@@ -106,7 +106,7 @@ def records_progress(checker):
 def summary(lines) -> dict[str, dict]:
     """{lesson key: {"checks": {quote: passed}, "exercise": True/False/None}} from progress lines (the latest of
     each check wins); lines that are not well-formed records of a known lesson and check are left out."""
-    known = _ledgers()
+    known = {key: {start for _, start in checks} for key, checks in _ledgers().items()}
     found: dict[str, dict] = {key: {"checks": {}, "exercise": None} for key in known}
     for line in lines:
         try:
@@ -118,7 +118,7 @@ def summary(lines) -> dict[str, dict]:
         lesson = found[entry["lesson"]]
         if entry.get("kind") == _EXERCISE:
             lesson["exercise"] = entry["passed"]
-        elif entry.get("kind") == "check" and entry.get("name") in {start for _, start in known[entry["lesson"]]}:
+        elif entry.get("kind") == "check" and entry.get("name") in known[entry["lesson"]]:
             lesson["checks"][entry["name"]] = entry["passed"]
     return found
 
@@ -150,6 +150,7 @@ def lesson_line(key: str) -> str:
 
 
 def _total(key: str) -> int:
+    """How many ✓ checks lesson `key` makes (its ledger's distinct quotes)."""
     return len({start for _, start in _ledgers().get(key, [])})
 
 

@@ -179,6 +179,13 @@ def _all_carried(messages: list[dict], expected: list, **kwargs) -> int | None:
     return next((k for k, tensor in enumerate(expected) if not _carried(messages, tensor, **kwargs)), None)
 
 
+def _first_not_crossed(sent: list[dict], received: list[dict], expected: list) -> int | None:
+    """The first micro-batch whose tensor was not both sent and received (a receive without values, an irecv's,
+    counts: its sender's values are checked), or None."""
+    missing = _all_carried(sent, expected)
+    return missing if missing is not None else _all_carried(received, expected, unknown_passes=True)
+
+
 @records_progress  # the learner's progress notes whether this run passed
 def check_pipeline_exercise(run: RunResult) -> ExerciseReport:
     """Name what is wrong with the learner's 1F1B pipeline run, or confirm it.
@@ -251,27 +258,22 @@ def _judge_what_crossed(run: RunResult, reference: dict, report: ExerciseReport)
     sends), computed by stage 1 from what it received; stage 0's backwards ran from the gradients it received."""
     shape = list(reference["activations"][0].shape)
     sent, received = _messages(run, 0, 1, shape)
-    missing = _all_carried(sent, reference["activations"])
+    missing = _first_not_crossed(sent, received, reference["activations"])
     if not sent or not received:
         report.mistakes.append(
             "the activations never crossed from rank 0 to rank 1 (no send of an 8 x 32 tensor from rank 0 that "
             "rank 1 received): stage 1 must work on what stage 0 computed, sent over the process group")
-    elif missing is not None or _all_carried(received, reference["activations"], unknown_passes=True) is not None:
-        which = missing if missing is not None else _all_carried(received, reference["activations"], unknown_passes=True)
-        report.mistakes.append(f"stage 0's output on micro-batch {which} (rows {which * MICRO_BATCH} to "
-                               f"{(which + 1) * MICRO_BATCH - 1} of the batch) never went from rank 0 to rank 1")
+    elif missing is not None:
+        report.mistakes.append(f"stage 0's output on micro-batch {missing} (rows {missing * MICRO_BATCH} to "
+                               f"{(missing + 1) * MICRO_BATCH - 1} of the batch) never went from rank 0 to rank 1")
     else:
         report.confirmed.append("each micro-batch's activation went from rank 0 to rank 1 (seen by the launcher: "
                                 "send and recv)")
     sent_back, received_back = _messages(run, 1, 0, shape)
     # The gradient of the whole batch's mean loss, or m times it (each micro-batch's mean loss, the gradients
     # divided by m at the end: as right).
-    def first_missing(scale: int) -> int | None:
-        expected = [scale * g for g in reference["activation_grads"]]
-        missing = _all_carried(sent_back, expected)
-        return missing if missing is not None else _all_carried(received_back, expected, unknown_passes=True)
-
-    misses = [first_missing(scale) for scale in (1, MICRO_BATCHES)]
+    misses = [_first_not_crossed(sent_back, received_back, [scale * g for g in reference["activation_grads"]])
+              for scale in (1, MICRO_BATCHES)]
     wrong_back = None if None in misses else misses[0]
     if not sent_back or not received_back:
         report.mistakes.append("no gradient reached stage 0 from rank 1: nothing of the activation's shape came back, "
@@ -303,11 +305,6 @@ def _every_gradient_received_was_used(calls: list[dict], shape: list[int]) -> bo
 
 def _micro_batches(count: int) -> str:
     return f"{count} micro-batch's" if count == 1 else f"{count} micro-batches'"
-
-
-def _gradient_receives(calls: list[dict]) -> list[dict]:
-    return [c for c in calls if c.get("op", "").endswith("recv") and c.get("peer") in (1, None)
-            and c.get("shape") == [MICRO_BATCH, 32]]
 
 
 def _judge_the_schedule(run: RunResult, reference: dict, report: ExerciseReport) -> None:
@@ -377,7 +374,6 @@ def _activation_sent_after_backward(calls: list[list[dict]], reference: dict) ->
                                            for scale in (1, MICRO_BATCHES))
 
     shape = list(reference["activations"][0].shape)
-    position = {call_index: i for i, call_index in enumerate(range(len(calls[0])))}
     sends = [(i, c) for i, c in enumerate(calls[0]) if c.get("op", "").endswith("send") and c.get("peer") == 1]
     sent_at = {k: next((i for i, c in sends if matches(c, a)), None) for k, a in enumerate(reference["activations"])}
     # Rank 1's gradients in the order it sent them: the n-th gradient rank 0 received is the n-th rank 1 sent.
@@ -396,7 +392,7 @@ def _activation_sent_after_backward(calls: list[list[dict]], reference: dict) ->
     for k in range(MICRO_BATCHES - 1):
         if sent_at.get(k + 1) is None or backward_at.get(k) is None:
             continue  # not told apart: what crossed is judged, and named, elsewhere
-        if position[backward_at[k]] < position[sent_at[k + 1]]:
+        if backward_at[k] < sent_at[k + 1]:  # positions in rank 0's log
             return k
     return None
 
